@@ -1,0 +1,46 @@
+import pytest
+
+from vllm_interp.compat import UnsupportedVllmVersion, check_vllm_version
+from vllm_interp.config import ADDITIONAL_CONFIG_KEY, SITE_SCHEME, InterpConfig, parse_consumer_spec
+from vllm_interp.models.registry import UnsupportedArchitecture, check_architecture
+
+
+def test_config_round_trips_through_additional_config():
+    config = InterpConfig(enable_steering=True, capture_consumers=("filesystem:root=/tmp/x",))
+    additional = config.to_additional_config({"other": 1})
+    assert additional["other"] == 1
+    assert additional[ADDITIONAL_CONFIG_KEY]["site_scheme"] == SITE_SCHEME
+    assert InterpConfig.from_additional_config(additional) == config
+
+
+def test_hash_changes_with_anything_that_shapes_the_graph():
+    base = InterpConfig(enable_readout=True)
+    assert base.compute_hash() == InterpConfig(enable_readout=True).compute_hash()
+    assert base.compute_hash() != InterpConfig(enable_readout=True, max_readout_rows=64).compute_hash()
+    assert base.compute_hash() != InterpConfig(enable_readout=True, package_version="9.9").compute_hash()
+
+
+def test_no_feature_means_no_hooks():
+    assert not InterpConfig().hooks_needed
+    assert InterpConfig(enable_patching=True).hooks_needed
+
+
+def test_consumer_flag_syntax():
+    assert parse_consumer_spec("filesystem:root=/data,layout=packed") == (
+        "filesystem", {"root": "/data", "layout": "packed"},
+    )
+    with pytest.raises(ValueError, match="not 'key=val'"):
+        InterpConfig(capture_consumers=("filesystem:root",))
+
+
+def test_other_vllm_versions_are_refused_by_name():
+    check_vllm_version("0.26.0+cpu")
+    with pytest.raises(UnsupportedVllmVersion, match=r"supports vLLM 0\.26\.0 only, but vLLM 0\.27\.0"):
+        check_vllm_version("0.27.0")
+
+
+def test_unsupported_architecture_lists_the_supported_ones():
+    check_architecture(["Olmo2ForCausalLM"])
+    check_architecture(["BertForMaskedLM"], model_impl="transformers")
+    with pytest.raises(UnsupportedArchitecture, match="'BertForMaskedLM'.*Supported: .*LlamaForCausalLM"):
+        check_architecture(["BertForMaskedLM"])

@@ -1,0 +1,88 @@
+"""Small random-weight fp32 checkpoints of every supported architecture, and where transformers exposes
+each architecture's post_attn stream (the reference the parity tests compare against)."""
+
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+
+from vllm_interp.default_model import default_model_path
+
+TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=1024, vocab_size=49152, tie_word_embeddings=False)
+
+
+@dataclass(frozen=True)
+class Arch:
+    name: str
+    make_config: Callable[[], transformers.PretrainedConfig]
+    # Sets up a capture of post_attn for one layer; returns a function giving [tokens, hidden].
+    post_attn: Callable[[torch.nn.Module, list], None]
+    model_impl: str = "auto"
+
+
+def _input_of(child: str):
+    def install(layer, store):
+        getattr(layer, child).register_forward_pre_hook(lambda _m, args: store.append(args[0].detach()[0].clone()))
+    return install
+
+
+def _neox_parallel(layer, store):
+    inputs = []
+    layer.register_forward_pre_hook(
+        lambda _m, args, kwargs: inputs.append((args[0] if args else kwargs["hidden_states"]).detach()),
+        with_kwargs=True,
+    )
+    layer.attention.register_forward_hook(
+        lambda _m, _a, out: store.append((inputs.pop() + out[0].detach())[0].clone()))
+
+
+def _config(cls, **overrides):
+    return lambda: cls(**{**TINY, **overrides})
+
+
+_moe = dict(num_local_experts=4, num_experts_per_tok=2)
+ARCHS = [
+    Arch("mistral", _config(transformers.MistralConfig, sliding_window=None), _input_of("post_attention_layernorm")),
+    Arch("qwen2", _config(transformers.Qwen2Config), _input_of("post_attention_layernorm")),
+    Arch("qwen3", _config(transformers.Qwen3Config, head_dim=32), _input_of("post_attention_layernorm")),
+    Arch("gemma2", _config(transformers.Gemma2Config, head_dim=32, tie_word_embeddings=True),
+         _input_of("pre_feedforward_layernorm")),
+    Arch("gemma3", _config(transformers.Gemma3TextConfig, head_dim=32, tie_word_embeddings=True),
+         _input_of("pre_feedforward_layernorm")),
+    Arch("phi3", _config(transformers.Phi3Config, pad_token_id=0), _input_of("post_attention_layernorm")),
+    Arch("olmo2", _config(transformers.Olmo2Config, pad_token_id=0), _input_of("mlp")),
+    Arch("gpt2", lambda: transformers.GPT2Config(n_embd=128, n_layer=3, n_head=4, n_positions=1024, vocab_size=49152),
+         _input_of("ln_2")),
+    Arch("gpt_neox", _config(transformers.GPTNeoXConfig, use_parallel_residual=True), _neox_parallel),
+    Arch("mixtral", _config(transformers.MixtralConfig, **_moe), _input_of("post_attention_layernorm")),
+    Arch("qwen2_moe", _config(transformers.Qwen2MoeConfig, num_experts=4, num_experts_per_tok=2,
+                              moe_intermediate_size=64, shared_expert_intermediate_size=64),
+         _input_of("post_attention_layernorm")),
+    Arch("transformers_llama", _config(transformers.LlamaConfig), _input_of("post_attention_layernorm"),
+         model_impl="transformers"),
+]
+
+
+def build_checkpoint(arch: Arch, root: Path) -> Path:
+    """Write a random fp32 checkpoint with SmolLM2's tokenizer; deterministic per architecture."""
+    path = root / arch.name
+    if (path / "config.json").exists():
+        return path
+    torch.manual_seed(0)
+    config = arch.make_config()
+    config.dtype = torch.float32
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Default initialisation leaves some norms at exactly 1 and biases at 0; perturb everything so that
+    # a site read from the wrong tensor cannot match by accident.
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.02)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer_src = default_model_path()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_src / name, path / name)
+    return path

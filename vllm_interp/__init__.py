@@ -1,0 +1,20 @@
+"""vllm-interp: residual-stream interpretability inside vLLM's forward pass."""
+
+from vllm_interp.hooks import HOOKS, site_name
+
+__version__ = "0.1.0"
+
+__all__ = ["HOOKS", "LLM", "ReadoutSpec", "ResidualReadout", "__version__", "site_name"]
+
+
+def __getattr__(name: str):
+    # vLLM is imported lazily so that the CLI, the plugin and the hook naming stay cheap to import.
+    if name == "LLM":
+        from vllm_interp.llm import LLM
+
+        return LLM
+    if name in ("ReadoutSpec", "ResidualReadout"):
+        from vllm_interp.capture import readout
+
+        return getattr(readout, name)
+    raise AttributeError(name)

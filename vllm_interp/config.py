@@ -1,0 +1,79 @@
+"""InterpConfig: the engine-wide vllm-interp settings, carried to every process in ``additional_config``."""
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from vllm_interp.hooks import HOOKS
+
+ADDITIONAL_CONFIG_KEY = "vllm_interp"
+# Bumped whenever the installed hook sites (their placement or the ops they call) change, so that vLLM's
+# compile cache, keyed on additional_config, never reuses a graph traced with other hooks.
+SITE_SCHEME = "residual-sites/1:" + ",".join(HOOKS)
+DEFAULT_MAX_READOUT_ROWS = 512
+
+
+def parse_consumer_spec(spec: str) -> tuple[str, dict[str, str]]:
+    """Split a ``name:key=val,key=val`` capture-consumer flag into its name and options."""
+    name, _, opts = spec.partition(":")
+    if not name:
+        raise ValueError(f"capture consumer {spec!r}: expected 'name[:key=val,...]'")
+    options: dict[str, str] = {}
+    for item in filter(None, opts.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"capture consumer {spec!r}: option {item!r} is not 'key=val'")
+        options[key] = value
+    return name, options
+
+
+@dataclass(frozen=True)
+class InterpConfig:
+    enable_steering: bool = False
+    enable_patching: bool = False
+    capture_consumers: tuple[str, ...] = ()
+    # Return residual rows to the offline caller (vllm_interp.LLM(..., enable_readout=True)).
+    enable_readout: bool = False
+    # Rows one forward step may read; sizes the per-layer read buffers (3 x rows x hidden each).
+    max_readout_rows: int = DEFAULT_MAX_READOUT_ROWS
+    package_version: str = ""
+    site_scheme: str = SITE_SCHEME
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.max_readout_rows < 1:
+            raise ValueError(f"max_readout_rows must be >= 1, got {self.max_readout_rows}")
+        for spec in self.capture_consumers:
+            parse_consumer_spec(spec)
+        if not self.package_version:
+            from vllm_interp import __version__
+
+            object.__setattr__(self, "package_version", __version__)
+
+    @property
+    def hooks_needed(self) -> bool:
+        return self.enable_steering or self.enable_patching or bool(self.capture_consumers) or self.enable_readout
+
+    def compute_hash(self) -> str:
+        """Digest of everything that shapes the traced forward (vLLM also hashes additional_config)."""
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["capture_consumers"] = list(self.capture_consumers)
+        return data
+
+    def to_additional_config(self, existing: dict[str, Any] | None = None) -> dict[str, Any]:
+        merged = dict(existing or {})
+        merged[ADDITIONAL_CONFIG_KEY] = {**self.to_dict(), "hash": self.compute_hash()}
+        return merged
+
+    @classmethod
+    def from_additional_config(cls, additional_config: dict[str, Any] | None) -> "InterpConfig | None":
+        raw = (additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
+        if raw is None:
+            return None
+        raw = {k: v for k, v in raw.items() if k != "hash"}
+        raw["capture_consumers"] = tuple(raw.get("capture_consumers", ()))
+        return cls(**raw)

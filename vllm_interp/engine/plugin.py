@@ -1,0 +1,20 @@
+"""The ``vllm.general_plugins`` entry point, run by vLLM once in every process it starts.
+
+vLLM loads general plugins in the API server, the engine core and every worker (each a fresh ``spawn``ed
+process on CPU), so everything here is idempotent and reads no arguments.
+"""
+
+_loaded = False
+
+
+def load() -> None:
+    global _loaded
+    if _loaded:
+        return
+    from vllm_interp.compat import check_vllm_version
+
+    check_vllm_version()
+    # Register the site op before any model is traced in this process.
+    import vllm_interp.models.site_ops  # noqa: F401
+
+    _loaded = True

@@ -1,0 +1,60 @@
+"""Worker classes: vLLM's workers plus the hook sites, installed right after the model loads.
+
+``load_model`` runs before the profile run (the first Dynamo trace) and before CUDA-graph capture, so
+every compiled graph contains the sites. The runner's class is swapped for one with the
+``InterpRunnerMixin``; the read-out store is attached to it.
+"""
+
+from typing import Any
+
+from vllm.distributed import get_tensor_model_parallel_rank
+from vllm.v1.worker.cpu_worker import CPUWorker
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+from vllm.v1.worker.gpu_worker import Worker
+
+from vllm_interp.capture.readout_store import ReadoutStore
+from vllm_interp.compat import check_vllm_version
+from vllm_interp.config import InterpConfig
+from vllm_interp.engine.runner import with_interp_runner
+from vllm_interp.models.registry import install_sites
+
+
+class InterpWorkerMixin:
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        check_vllm_version()
+        super().load_model(*args, **kwargs)
+        config = InterpConfig.from_additional_config(self.vllm_config.additional_config) or InterpConfig()
+        runner = self.model_runner
+        if not isinstance(runner, GPUModelRunner):
+            raise RuntimeError(
+                f"vllm-interp hooks vLLM's V1 model runner, but this worker runs {type(runner).__name__}; "
+                "set VLLM_USE_V2_MODEL_RUNNER=0 (vllm_interp.LLM and `vllm-interp serve` do so by default)"
+            )
+        model_config = self.vllm_config.model_config
+        bank = install_sites(
+            runner.get_model(),
+            hidden_size=model_config.get_hidden_size(),
+            dtype=model_config.dtype,
+            max_rows=config.max_readout_rows,
+            device=runner.device,
+        )
+        runner.__class__ = with_interp_runner(type(runner))
+        num_layers = model_config.get_total_num_hidden_layers()
+        runner.interp_store = ReadoutStore(bank, num_layers=num_layers, max_rows=config.max_readout_rows)
+        # Tensor-parallel ranks hold identical residual rows: rank 0 alone keeps them.
+        self._interp_reports = get_tensor_model_parallel_rank() == 0
+
+    def interp_describe_sites(self) -> dict[str, Any]:
+        return self.model_runner.interp_store.bank.descriptor()
+
+    def interp_take_readouts(self, keys: list[str]) -> dict[str, dict[str, Any]]:
+        taken = self.model_runner.interp_store.take(keys)
+        return taken if self._interp_reports else {}
+
+
+class InterpCPUWorker(InterpWorkerMixin, CPUWorker):
+    pass
+
+
+class InterpGPUWorker(InterpWorkerMixin, Worker):
+    pass

@@ -1,0 +1,133 @@
+"""``vllm_interp.LLM``: vLLM's offline ``LLM`` plus the interpretability options."""
+
+from collections.abc import Sequence
+from typing import Any
+from uuid import uuid4
+
+import vllm
+from vllm import RequestOutput, SamplingParams
+
+from vllm_interp.capture.readout import ReadoutSpec, ResidualReadout, merge_wire, validate_readout_spec
+from vllm_interp.compat import check_vllm_version
+from vllm_interp.config import DEFAULT_MAX_READOUT_ROWS, InterpConfig
+from vllm_interp.default_model import resolve_model
+from vllm_interp.engine.args import check_model_architecture, interp_engine_args
+from vllm_interp.request_args import with_interp_args
+
+ReadoutArg = ReadoutSpec | dict[str, Any] | Sequence[ReadoutSpec | dict[str, Any] | None] | None
+
+
+class LLM(vllm.LLM):
+    """vLLM's ``LLM`` with hook sites in the forward pass.
+
+    ``model`` defaults to SmolLM2-135M-Instruct (built on first use). ``enable_readout`` (default on)
+    lets ``generate``/``chat`` return residual rows: pass ``readout=`` and read ``output.residuals``.
+    The other flags are the steering, patching and capture subsystems; with any of them on, an
+    architecture vllm-interp cannot hook is refused before the engine starts.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        enable_readout: bool = True,
+        max_readout_rows: int = DEFAULT_MAX_READOUT_ROWS,
+        enable_steering: bool = False,
+        enable_patching: bool = False,
+        capture_consumers: Sequence[str] = (),
+        **kwargs: Any,
+    ) -> None:
+        check_vllm_version()
+        model = resolve_model(model)
+        self.interp_config = InterpConfig(
+            enable_steering=enable_steering,
+            enable_patching=enable_patching,
+            capture_consumers=tuple(capture_consumers),
+            enable_readout=enable_readout,
+            max_readout_rows=max_readout_rows,
+        )
+        if self.interp_config.hooks_needed:
+            check_model_architecture(
+                model,
+                model_impl=kwargs.get("model_impl", "auto"),
+                trust_remote_code=kwargs.get("trust_remote_code", False),
+            )
+        kwargs["worker_cls"], kwargs["additional_config"] = interp_engine_args(
+            self.interp_config,
+            worker_cls=kwargs.get("worker_cls", "auto"),
+            additional_config=kwargs.get("additional_config"),
+        )
+        super().__init__(model=model, **kwargs)
+        self.num_layers = self.llm_engine.model_config.get_total_num_hidden_layers()
+
+    def generate(self, prompts: Any, sampling_params: Any = None, *, readout: ReadoutArg = None, **kwargs: Any):
+        params, keys = self._with_readouts(_count_prompts(prompts), sampling_params, readout)
+        return self._attach_readouts(super().generate(prompts, params, **kwargs), keys)
+
+    def chat(self, messages: Any, sampling_params: Any = None, *, readout: ReadoutArg = None, **kwargs: Any):
+        count = 1 if messages and isinstance(messages[0], dict) else len(messages)
+        params, keys = self._with_readouts(count, sampling_params, readout)
+        return self._attach_readouts(super().chat(messages, params, **kwargs), keys)
+
+    def shutdown(self) -> None:
+        """Stop the engine processes now (rather than at garbage collection)."""
+        self.llm_engine.engine_core.shutdown()
+
+    def describe_sites(self) -> list[dict[str, Any]]:
+        """The installed sites on each worker (layers held, hooks, read buffer rows)."""
+        return self.collective_rpc("interp_describe_sites")
+
+    def _with_readouts(
+        self, count: int, sampling_params: Any, readout: ReadoutArg
+    ) -> tuple[Any, list[str | None]]:
+        if readout is None:
+            return sampling_params, [None] * count
+        if not self.interp_config.enable_readout:
+            raise ValueError("readout= needs an engine built with enable_readout=True")
+        specs = list(readout) if isinstance(readout, Sequence) else [readout] * count
+        if len(specs) != count:
+            raise ValueError(f"readout: got {len(specs)} specs for {count} prompts")
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        base = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params] * count
+        params: list[SamplingParams] = []
+        keys: list[str | None] = []
+        for spec, param in zip(specs, base, strict=True):
+            if spec is None:
+                params.append(param)
+                keys.append(None)
+                continue
+            spec = validate_readout_spec(spec, num_layers=self.num_layers)
+            key = uuid4().hex
+            param = param.clone()
+            param.extra_args = with_interp_args(
+                param.extra_args, readout=spec.model_dump(mode="json"), readout_key=key
+            )
+            # Rows served from the prefix cache are never computed, so they could not be read.
+            param.skip_reading_prefix_cache = True
+            params.append(param)
+            keys.append(key)
+        return params, keys
+
+    def _attach_readouts(self, outputs: list[RequestOutput], keys: list[str | None]) -> list[RequestOutput]:
+        wanted = [key for key in keys if key is not None]
+        if not wanted:
+            return outputs
+        per_rank = self.collective_rpc("interp_take_readouts", args=(wanted,))
+        for output, key in zip(outputs, keys, strict=True):
+            if key is None:
+                continue
+            parts = [rank[key] for rank in per_rank if key in rank]
+            if not parts:
+                raise RuntimeError(f"request {output.request_id}: no worker holds its read-out")
+            output.residuals = ResidualReadout.from_wire(merge_wire(parts))
+        return outputs
+
+
+def _count_prompts(prompts: Any) -> int:
+    """How many prompts vLLM will see (a str, a dict or a flat token-id list is a single prompt)."""
+    if isinstance(prompts, str | dict):
+        return 1
+    if isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int):
+        return 1
+    return len(prompts)

@@ -1,0 +1,80 @@
+"""Hook points: class swaps that call the read op at the three residual-stream sites of a layer.
+
+Hooks are installed by swapping ``module.__class__`` for a subclass (not by wrapping modules), so
+parameter names, weight loading and vLLM's CustomOp dispatch are unchanged. Every hooked module owns two
+non-persistent buffers: ``interp_rows`` (the step's row plan, one tensor shared by all modules) and
+``interp_out`` (the layer's read buffer, shared by the layer and its post_attn module).
+"""
+
+from collections.abc import Callable
+from functools import cache
+
+import torch
+from torch import nn
+
+from vllm_interp.hooks import HOOK_INDEX
+from vllm_interp.models.site_ops import read_site
+
+PRE_ATTN = HOOK_INDEX["pre_attn"]
+POST_ATTN = HOOK_INDEX["post_attn"]
+POST_BLOCK = HOOK_INDEX["post_block"]
+
+
+def attach_buffers(module: nn.Module, rows: torch.Tensor, out: torch.Tensor) -> None:
+    module.register_buffer("interp_rows", rows, persistent=False)
+    module.register_buffer("interp_out", out, persistent=False)
+
+
+def swap_class(module: nn.Module, make: Callable[[type], type]) -> None:
+    module.__class__ = make(type(module))
+
+
+@cache
+def pair_layer(base: type) -> type:
+    """A layer called as ``(positions, hidden_states, residual)`` returning the deferred pair.
+
+    The true stream is ``hidden_states + residual`` (residual is None on the first layer).
+    """
+
+    def forward(self, positions, hidden_states, residual, *args, **kwargs):
+        read_site(hidden_states, residual, self.interp_rows, self.interp_out, PRE_ATTN)
+        hidden_states, residual = base.forward(self, positions, hidden_states, residual, *args, **kwargs)
+        read_site(hidden_states, residual, self.interp_rows, self.interp_out, POST_BLOCK)
+        return hidden_states, residual
+
+    return type(f"Interp{base.__name__}", (base,), {"forward": forward})
+
+
+@cache
+def single_layer(base: type, hidden_arg: int) -> type:
+    """A layer that takes the stream as positional argument ``hidden_arg`` and returns the new stream
+    (or a tuple whose first element is it, as some transformers layers do)."""
+
+    def forward(self, *args, **kwargs):
+        hidden = args[hidden_arg] if len(args) > hidden_arg else kwargs["hidden_states"]
+        read_site(hidden, None, self.interp_rows, self.interp_out, PRE_ATTN)
+        output = base.forward(self, *args, **kwargs)
+        stream = output[0] if isinstance(output, tuple) else output
+        read_site(stream, None, self.interp_rows, self.interp_out, POST_BLOCK)
+        return output
+
+    return type(f"Interp{base.__name__}", (base,), {"forward": forward})
+
+
+@cache
+def post_attn_input(base: type) -> type:
+    """The module that receives the post-attention stream: a pre-MLP norm called as ``(x)`` or as the fused
+    ``(x, residual)`` (stream = x + residual), or the MLP itself in post-norm blocks."""
+
+    def forward(self, x, *args, **kwargs):
+        residual = args[0] if args else kwargs.get("residual")
+        read_site(x, residual, self.interp_rows, self.interp_out, POST_ATTN)
+        return base.forward(self, x, *args, **kwargs)
+
+    return type(f"Interp{base.__name__}", (base,), {"forward": forward})
+
+
+@cache
+def with_forward(base: type, forward: Callable) -> type:
+    """A layer whose forward is replaced by one that calls the three sites itself."""
+    return type(f"Interp{base.__name__}", (base,), {"forward": forward})

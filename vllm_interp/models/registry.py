@@ -1,0 +1,148 @@
+"""Supported architectures and where each exposes the residual stream; ``install_sites`` hooks a model.
+
+Keys are the vLLM model class that is actually loaded (``type(model).__name__``), so models that vLLM
+serves through its Transformers backend (OLMo2 in 0.26, or any model with ``model_impl="transformers"``)
+are covered by the ``TransformersForCausalLM`` entry.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from operator import attrgetter
+from typing import Literal
+
+import torch
+from torch import nn
+
+from vllm_interp.hooks import HOOKS
+from vllm_interp.models import hook_points
+from vllm_interp.models.gpt_neox import gpt_neox_layer_forward
+
+
+class UnsupportedArchitecture(RuntimeError):
+    pass
+
+
+def _transformers_post_attn(layer: nn.Module) -> str:
+    """Which child of a transformers decoder layer receives the post-attention stream."""
+    if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma-style sandwich norms
+        return "pre_feedforward_layernorm"
+    if hasattr(layer, "post_feedforward_layernorm"):  # OLMo2-style post-norm: the MLP reads the stream
+        return "mlp"
+    if hasattr(layer, "post_attention_layernorm"):  # Llama-style pre-norm
+        return "post_attention_layernorm"
+    raise UnsupportedArchitecture(
+        f"transformers layer {type(layer).__name__} has no recognised pre-MLP norm "
+        "(pre_feedforward_layernorm, post_feedforward_layernorm + mlp, post_attention_layernorm)"
+    )
+
+
+@dataclass(frozen=True)
+class ArchSites:
+    """Where one architecture's sites live on the loaded vLLM model."""
+
+    layers: str  # dotted path of the decoder-layer ModuleList
+    # "pair": layer(positions, hidden, residual) -> (hidden, residual), stream = hidden + residual;
+    # "single": the layer takes the stream as argument `hidden_arg` and returns it.
+    form: Literal["pair", "single"] = "pair"
+    hidden_arg: int = 0
+    # The child whose input is the post_attn stream (its name, or a function of the layer).
+    post_attn: str | Callable[[nn.Module], str] | None = "post_attention_layernorm"
+    # A replacement forward that reads all three sites itself (blocks with no post_attn module).
+    forward: Callable | None = None
+
+    def install(self, layer: nn.Module, rows: torch.Tensor, out: torch.Tensor) -> None:
+        hook_points.attach_buffers(layer, rows, out)
+        if self.forward is not None:
+            hook_points.swap_class(layer, lambda base: hook_points.with_forward(base, self.forward))
+            return
+        if self.form == "pair":
+            hook_points.swap_class(layer, hook_points.pair_layer)
+        else:
+            hook_points.swap_class(layer, lambda base: hook_points.single_layer(base, self.hidden_arg))
+        name = self.post_attn(layer) if callable(self.post_attn) else self.post_attn
+        target = getattr(layer, name)
+        hook_points.attach_buffers(target, rows, out)
+        hook_points.swap_class(target, hook_points.post_attn_input)
+
+
+_LLAMA_LIKE = ArchSites(layers="model.layers")
+_GEMMA = ArchSites(layers="model.layers", post_attn="pre_feedforward_layernorm")
+
+SUPPORTED_ARCHITECTURES: dict[str, ArchSites] = {
+    "LlamaForCausalLM": _LLAMA_LIKE,
+    "MistralForCausalLM": _LLAMA_LIKE,
+    "Qwen2ForCausalLM": _LLAMA_LIKE,
+    "Qwen3ForCausalLM": _LLAMA_LIKE,
+    "Phi3ForCausalLM": _LLAMA_LIKE,
+    "MixtralForCausalLM": _LLAMA_LIKE,
+    "Qwen2MoeForCausalLM": _LLAMA_LIKE,
+    "Qwen3MoeForCausalLM": _LLAMA_LIKE,
+    "Gemma2ForCausalLM": _GEMMA,
+    "Gemma3ForCausalLM": _GEMMA,
+    "GPT2LMHeadModel": ArchSites(layers="transformer.h", form="single", post_attn="ln_2"),
+    "GPTNeoXForCausalLM": ArchSites(layers="gpt_neox.layers", forward=gpt_neox_layer_forward),
+    "TransformersForCausalLM": ArchSites(layers="model.layers", form="single", post_attn=_transformers_post_attn),
+}
+# Hugging Face architectures that vLLM 0.26 serves through its Transformers backend.
+TRANSFORMERS_BACKEND_ARCHITECTURES = ("Olmo2ForCausalLM",)
+
+
+def supported_architectures() -> list[str]:
+    return sorted(set(SUPPORTED_ARCHITECTURES) - {"TransformersForCausalLM"} | set(TRANSFORMERS_BACKEND_ARCHITECTURES))
+
+
+def unsupported_message(architecture: str) -> str:
+    return (
+        f"vllm-interp cannot hook architecture {architecture!r}. Supported: "
+        f"{', '.join(supported_architectures())}; any other decoder through vLLM's Transformers backend "
+        "(model_impl='transformers') whose layers have a recognised pre-MLP norm."
+    )
+
+
+def check_architecture(architectures: list[str], model_impl: str = "auto") -> None:
+    """Start-up check on the Hugging Face config, before an engine is built."""
+    if model_impl == "transformers":
+        return
+    known = set(SUPPORTED_ARCHITECTURES) | set(TRANSFORMERS_BACKEND_ARCHITECTURES)
+    for architecture in architectures:
+        if architecture not in known:
+            raise UnsupportedArchitecture(unsupported_message(architecture))
+
+
+@dataclass
+class SiteBank:
+    """The buffers behind the installed sites of one model replica (one worker)."""
+
+    rows: torch.Tensor  # [max_rows] token-row indices of the step's reads
+    outs: dict[int, torch.Tensor]  # layer -> [len(HOOKS), max_rows, hidden]
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted(self.outs)
+
+    def descriptor(self) -> dict[str, object]:
+        return {"layers": self.layers, "hooks": list(HOOKS), "max_rows": int(self.rows.shape[0])}
+
+
+def install_sites(
+    model: nn.Module, hidden_size: int, dtype: torch.dtype, max_rows: int, device: torch.device
+) -> SiteBank:
+    """Install the three sites on every decoder layer this rank holds; returns their buffers."""
+    from vllm.model_executor.models.utils import PPMissingLayer
+
+    architecture = type(model).__name__
+    sites = SUPPORTED_ARCHITECTURES.get(architecture)
+    if sites is None:
+        raise UnsupportedArchitecture(unsupported_message(architecture))
+    layers = attrgetter(sites.layers)(model)
+    rows = torch.zeros(max_rows, dtype=torch.long, device=device)
+    bank = SiteBank(rows=rows, outs={})
+    for index, layer in enumerate(layers):
+        if isinstance(layer, PPMissingLayer):  # held by another pipeline stage
+            continue
+        out = torch.zeros(len(HOOKS), max_rows, hidden_size, dtype=dtype, device=device)
+        sites.install(layer, rows, out)
+        bank.outs[index] = out
+    if not bank.outs:
+        raise UnsupportedArchitecture(f"{architecture}: found no decoder layers at {sites.layers!r}")
+    return bank

@@ -1,0 +1,19 @@
+"""The per-request payload vllm-interp carries in ``SamplingParams.extra_args``.
+
+Everything lives under one key so that it never collides with other users of ``extra_args`` and stays
+msgpack-plain on its way from the frontend to the workers.
+"""
+
+from typing import Any
+
+EXTRA_ARGS_KEY = "vllm_interp"
+
+
+def interp_args(extra_args: dict[str, Any] | None) -> dict[str, Any]:
+    return (extra_args or {}).get(EXTRA_ARGS_KEY) or {}
+
+
+def with_interp_args(extra_args: dict[str, Any] | None, **fields: Any) -> dict[str, Any]:
+    merged = dict(extra_args or {})
+    merged[EXTRA_ARGS_KEY] = {**interp_args(extra_args), **fields}
+    return merged

@@ -1,0 +1,48 @@
+"""`vllm-interp serve`: vLLM's `serve` subcommand with the vllm-interp flags added.
+
+vLLM has no hook for adding CLI flags, so this builds vLLM's own serve parser, adds a group of ours,
+folds our flags into ``worker_cls`` and ``additional_config`` and hands the namespace back to vLLM.
+"""
+
+import argparse
+
+from vllm_interp.config import InterpConfig
+from vllm_interp.default_model import resolve_model
+from vllm_interp.engine.args import check_model_architecture, interp_engine_args
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+
+    command = ServeSubcommand()
+    parser = command.subparser_init(subparsers)
+    parser.usage = "vllm-interp serve [model_tag] [vllm serve options] [vllm-interp options]"
+    # No model given means the default model (prepared on first use), not vLLM's default.
+    parser.set_defaults(model=None, dispatch_function=lambda args: serve(command, args))
+    group = parser.add_argument_group("vllm-interp", "Interpretability features (all off by default).")
+    group.add_argument("--enable-steering", action="store_true", help="Install residual steering sites.")
+    group.add_argument("--enable-patching", action="store_true", help="Install activation patching sites.")
+    group.add_argument(
+        "--capture-consumers",
+        action="append",
+        default=[],
+        metavar="NAME[:KEY=VAL,...]",
+        help="Enable a capture consumer with options (repeatable).",
+    )
+
+
+def serve(command, args: argparse.Namespace) -> None:
+    args.model = resolve_model(args.model_tag or args.model)
+    args.model_tag = None
+    config = InterpConfig(
+        enable_steering=args.enable_steering,
+        enable_patching=args.enable_patching,
+        capture_consumers=tuple(args.capture_consumers),
+    )
+    if config.hooks_needed:
+        check_model_architecture(args.model, model_impl=args.model_impl, trust_remote_code=args.trust_remote_code)
+    args.worker_cls, args.additional_config = interp_engine_args(
+        config, worker_cls=args.worker_cls, additional_config=args.additional_config
+    )
+    command.validate(args)
+    command.cmd(args)
