@@ -70,7 +70,7 @@ def engine_sequences_and_readouts(llm, prompts: list[list[int]], max_tokens: int
     return sequences, [o.residuals for o in outputs]
 
 
-def compare(readouts, references, num_layers: int) -> ParityResult:
+def compare(readouts, references, num_layers: int, rel_tol: float = REL_TOL) -> ParityResult:
     worst, worst_rel, sites, rows = 0.0, 0.0, 0, 0
     failures = []
     for readout, reference in zip(readouts, references, strict=True):
@@ -82,7 +82,7 @@ def compare(readouts, references, num_layers: int) -> ParityResult:
                 assert got.shape == want.shape, f"{name}: {tuple(got.shape)} vs {tuple(want.shape)}"
                 diff = (got - want).abs().max().item()
                 rel = diff / max(want.abs().max().item(), 1e-6)
-                if not rel <= REL_TOL:
+                if not rel <= rel_tol:
                     failures.append(f"{name}: max abs diff {diff:.3e} = {rel:.2e} of max|hf|")
                 worst, worst_rel = max(worst, diff), max(worst_rel, rel)
                 sites += 1

@@ -51,7 +51,10 @@ ARCHS = [
     Arch("qwen3", _config(transformers.Qwen3Config, head_dim=32), _input_of("post_attention_layernorm")),
     Arch("gemma2", _config(transformers.Gemma2Config, head_dim=32, tie_word_embeddings=True),
          _input_of("pre_feedforward_layernorm")),
-    Arch("gemma3", _config(transformers.Gemma3TextConfig, head_dim=32, tie_word_embeddings=True),
+    # Gemma3's default layer pattern makes all three tiny layers sliding-window, which vLLM's CPU attention
+    # cannot lay out; mix in a global layer as the real models do.
+    Arch("gemma3", _config(transformers.Gemma3TextConfig, head_dim=32, tie_word_embeddings=True,
+                           layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
          _input_of("pre_feedforward_layernorm")),
     Arch("phi3", _config(transformers.Phi3Config, pad_token_id=0), _input_of("post_attention_layernorm")),
     Arch("olmo2", _config(transformers.Olmo2Config, pad_token_id=0), _input_of("mlp")),
@@ -62,6 +65,8 @@ ARCHS = [
     Arch("qwen2_moe", _config(transformers.Qwen2MoeConfig, num_experts=4, num_experts_per_tok=2,
                               moe_intermediate_size=64, shared_expert_intermediate_size=64),
          _input_of("post_attention_layernorm")),
+    Arch("qwen3_moe", _config(transformers.Qwen3MoeConfig, head_dim=32, num_experts=4, num_experts_per_tok=2,
+                              moe_intermediate_size=64), _input_of("post_attention_layernorm")),
     Arch("transformers_llama", _config(transformers.LlamaConfig), _input_of("post_attention_layernorm"),
          model_impl="transformers"),
 ]

@@ -98,6 +98,8 @@ class LLM(vllm.LLM):
                 keys.append(None)
                 continue
             spec = validate_readout_spec(spec, num_layers=self.num_layers)
+            if param.n > 1:
+                raise ValueError("readout: SamplingParams.n > 1 is not supported; submit the prompt n times")
             key = uuid4().hex
             param = param.clone()
             param.extra_args = with_interp_args(

@@ -39,12 +39,15 @@ class ReadoutStore:
         args = interp_args(extra_args)
         entry = None
         if "readout" in args:
-            spec = validate_readout_spec(args["readout"], num_layers=self.num_layers)
-            held = set(self.bank.layers)
-            names = [n for n in spec.site_names(self.num_layers) if parse_site_name(n)[0] in held]
-            sites = [(layer, HOOK_INDEX[hook]) for layer, hook in map(parse_site_name, names)]
-            entry = _RequestReadout(args["readout_key"], spec, prompt_len, sites, names)
-            self._by_key[entry.key] = entry
+            # A preempted request comes back under the same key: keep the rows it already has.
+            entry = self._by_key.get(args["readout_key"])
+            if entry is None:
+                spec = validate_readout_spec(args["readout"], num_layers=self.num_layers)
+                held = set(self.bank.layers)
+                names = [n for n in spec.site_names(self.num_layers) if parse_site_name(n)[0] in held]
+                sites = [(layer, HOOK_INDEX[hook]) for layer, hook in map(parse_site_name, names)]
+                entry = _RequestReadout(args["readout_key"], spec, prompt_len, sites, names)
+                self._by_key[entry.key] = entry
         self._by_req[req_id] = entry
         return entry
 

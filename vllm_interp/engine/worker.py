@@ -1,4 +1,4 @@
-"""Worker classes: vLLM's workers plus the hook sites, installed right after the model loads.
+"""The worker mixin, and vLLM's GPU worker with it: the hook sites, installed right after the model loads.
 
 ``load_model`` runs before the profile run (the first Dynamo trace) and before CUDA-graph capture, so
 every compiled graph contains the sites. The runner's class is swapped for one with the
@@ -8,7 +8,6 @@ every compiled graph contains the sites. The runner's class is swapped for one w
 from typing import Any
 
 from vllm.distributed import get_tensor_model_parallel_rank
-from vllm.v1.worker.cpu_worker import CPUWorker
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker
 
@@ -50,10 +49,6 @@ class InterpWorkerMixin:
     def interp_take_readouts(self, keys: list[str]) -> dict[str, dict[str, Any]]:
         taken = self.model_runner.interp_store.take(keys)
         return taken if self._interp_reports else {}
-
-
-class InterpCPUWorker(InterpWorkerMixin, CPUWorker):
-    pass
 
 
 class InterpGPUWorker(InterpWorkerMixin, Worker):

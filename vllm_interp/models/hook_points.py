@@ -26,7 +26,18 @@ def attach_buffers(module: nn.Module, rows: torch.Tensor, out: torch.Tensor) -> 
 
 
 def swap_class(module: nn.Module, make: Callable[[type], type]) -> None:
+    # vLLM's Transformers backend binds fused forwards on instances (``module.forward = MethodType(...)``
+    # in its fusers), which would shadow the class-level hook; keep such a forward as the inner call.
+    instance_forward = module.__dict__.pop("forward", None)
     module.__class__ = make(type(module))
+    if instance_forward is not None:
+        module.interp_inner_forward = instance_forward
+
+
+def _inner(module: nn.Module, base: type, *args, **kwargs):
+    """The forward the hook wraps: an instance-bound one if the module had it, else the class's."""
+    inner = getattr(module, "interp_inner_forward", None)
+    return inner(*args, **kwargs) if inner is not None else base.forward(module, *args, **kwargs)
 
 
 @cache
@@ -38,7 +49,7 @@ def pair_layer(base: type) -> type:
 
     def forward(self, positions, hidden_states, residual, *args, **kwargs):
         read_site(hidden_states, residual, self.interp_rows, self.interp_out, PRE_ATTN)
-        hidden_states, residual = base.forward(self, positions, hidden_states, residual, *args, **kwargs)
+        hidden_states, residual = _inner(self, base, positions, hidden_states, residual, *args, **kwargs)
         read_site(hidden_states, residual, self.interp_rows, self.interp_out, POST_BLOCK)
         return hidden_states, residual
 
@@ -53,7 +64,7 @@ def single_layer(base: type, hidden_arg: int) -> type:
     def forward(self, *args, **kwargs):
         hidden = args[hidden_arg] if len(args) > hidden_arg else kwargs["hidden_states"]
         read_site(hidden, None, self.interp_rows, self.interp_out, PRE_ATTN)
-        output = base.forward(self, *args, **kwargs)
+        output = _inner(self, base, *args, **kwargs)
         stream = output[0] if isinstance(output, tuple) else output
         read_site(stream, None, self.interp_rows, self.interp_out, POST_BLOCK)
         return output
@@ -69,7 +80,7 @@ def post_attn_input(base: type) -> type:
     def forward(self, x, *args, **kwargs):
         residual = args[0] if args else kwargs.get("residual")
         read_site(x, residual, self.interp_rows, self.interp_out, POST_ATTN)
-        return base.forward(self, x, *args, **kwargs)
+        return _inner(self, base, x, *args, **kwargs)
 
     return type(f"Interp{base.__name__}", (base,), {"forward": forward})
 

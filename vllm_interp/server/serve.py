@@ -17,6 +17,15 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     command = ServeSubcommand()
     parser = command.subparser_init(subparsers)
     parser.usage = "vllm-interp serve [model_tag] [vllm serve options] [vllm-interp options]"
+    parser.description = (
+        "vLLM's OpenAI-compatible server with vllm-interp in the forward pass. Takes every `vllm serve` "
+        "option; the model defaults to SmolLM2-135M-Instruct (built on first use)."
+    )
+    parser.epilog = (
+        "Our options:              vllm-interp serve --help=vllm-interp\n"
+        "All options:              vllm-interp serve --help=all\n"
+        "A section:                vllm-interp serve --help=ModelConfig    (case-insensitive)"
+    )
     # No model given means the default model (prepared on first use), not vLLM's default.
     parser.set_defaults(model=None, dispatch_function=lambda args: serve(command, args))
     group = parser.add_argument_group("vllm-interp", "Interpretability features (all off by default).")
