@@ -24,7 +24,7 @@ ENGINE_KWARGS = dict(
 
 
 def shutdown(llm) -> None:
-    llm.shutdown()
+    llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
 
@@ -48,8 +48,19 @@ def prompt_ids(smollm2_tokenizer) -> list[list[int]]:
 
 @pytest.fixture(scope="session")
 def smollm2_llm(smollm2_path):
-    """The shared SmolLM2 engine: fp32, torch.compile on, chunked prefill forced small."""
+    """The shared SmolLM2 engine: fp32, torch.compile on, chunked prefill forced small, read-out and
+    steering enabled. Tests that set global steering clear it before they return."""
     from vllm_interp import LLM
+
+    llm = LLM(str(smollm2_path), enable_steering=True, max_steering_configs=16, **ENGINE_KWARGS)
+    yield llm
+    shutdown(llm)
+
+
+@pytest.fixture(scope="session")
+def plain_llm(smollm2_path):
+    """Plain vLLM on the same weights and settings: the baseline an interpretability feature must not move."""
+    from vllm import LLM
 
     llm = LLM(str(smollm2_path), **ENGINE_KWARGS)
     yield llm

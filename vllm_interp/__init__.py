@@ -4,7 +4,9 @@ from vllm_interp.hooks import HOOKS, site_name
 
 __version__ = "0.1.0"
 
-__all__ = ["HOOKS", "LLM", "ReadoutSpec", "ResidualReadout", "__version__", "site_name"]
+__all__ = [
+    "HOOKS", "LLM", "ReadoutSpec", "ResidualReadout", "__version__", "pack_vectors", "site_name", "steered_params",
+]
 
 
 def __getattr__(name: str):
@@ -13,6 +15,14 @@ def __getattr__(name: str):
         from vllm_interp.llm import LLM
 
         return LLM
+    if name == "steered_params":
+        from vllm_interp.steering.params import steered_params
+
+        return steered_params
+    if name == "pack_vectors":
+        from vllm_interp.steering.vectors import pack_vectors
+
+        return pack_vectors
     if name in ("ReadoutSpec", "ResidualReadout"):
         from vllm_interp.capture import readout
 

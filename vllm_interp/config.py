@@ -12,6 +12,7 @@ ADDITIONAL_CONFIG_KEY = "vllm_interp"
 # compile cache, keyed on additional_config, never reuses a graph traced with other hooks.
 SITE_SCHEME = "residual-sites/1:" + ",".join(HOOKS)
 DEFAULT_MAX_READOUT_ROWS = 512
+DEFAULT_MAX_STEERING_CONFIGS = 8
 
 
 def parse_consumer_spec(spec: str) -> tuple[str, dict[str, str]]:
@@ -31,6 +32,8 @@ def parse_consumer_spec(spec: str) -> tuple[str, dict[str, str]]:
 @dataclass(frozen=True)
 class InterpConfig:
     enable_steering: bool = False
+    # Distinct per-request steering configs resident at once (each owns two rows of every layer's table).
+    max_steering_configs: int = DEFAULT_MAX_STEERING_CONFIGS
     enable_patching: bool = False
     capture_consumers: tuple[str, ...] = ()
     # Return residual rows to the offline caller (vllm_interp.LLM(..., enable_readout=True)).
@@ -44,6 +47,8 @@ class InterpConfig:
     def __post_init__(self) -> None:
         if self.max_readout_rows < 1:
             raise ValueError(f"max_readout_rows must be >= 1, got {self.max_readout_rows}")
+        if self.max_steering_configs < 1:
+            raise ValueError(f"max_steering_configs must be >= 1, got {self.max_steering_configs}")
         for spec in self.capture_consumers:
             parse_consumer_spec(spec)
         if not self.package_version:

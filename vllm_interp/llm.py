@@ -9,10 +9,13 @@ from vllm import RequestOutput, SamplingParams
 
 from vllm_interp.capture.readout import ReadoutSpec, ResidualReadout, merge_wire, validate_readout_spec
 from vllm_interp.compat import check_vllm_version
-from vllm_interp.config import DEFAULT_MAX_READOUT_ROWS, InterpConfig
+from vllm_interp.config import DEFAULT_MAX_READOUT_ROWS, DEFAULT_MAX_STEERING_CONFIGS, InterpConfig
 from vllm_interp.default_model import resolve_model
 from vllm_interp.engine.args import check_model_architecture, interp_engine_args
-from vllm_interp.request_args import with_interp_args
+from vllm_interp.request_args import EXTRA_ARGS_KEY, with_interp_args
+from vllm_interp.steering.params import raw_steering_fields
+from vllm_interp.steering.state import RAW_KEY, SteeringState
+from vllm_interp.steering.vectors import ModelShape
 
 ReadoutArg = ReadoutSpec | dict[str, Any] | Sequence[ReadoutSpec | dict[str, Any] | None] | None
 
@@ -33,6 +36,7 @@ class LLM(vllm.LLM):
         enable_readout: bool = True,
         max_readout_rows: int = DEFAULT_MAX_READOUT_ROWS,
         enable_steering: bool = False,
+        max_steering_configs: int = DEFAULT_MAX_STEERING_CONFIGS,
         enable_patching: bool = False,
         capture_consumers: Sequence[str] = (),
         **kwargs: Any,
@@ -41,6 +45,7 @@ class LLM(vllm.LLM):
         model = resolve_model(model)
         self.interp_config = InterpConfig(
             enable_steering=enable_steering,
+            max_steering_configs=max_steering_configs,
             enable_patching=enable_patching,
             capture_consumers=tuple(capture_consumers),
             enable_readout=enable_readout,
@@ -58,16 +63,50 @@ class LLM(vllm.LLM):
             additional_config=kwargs.get("additional_config"),
         )
         super().__init__(model=model, **kwargs)
-        self.num_layers = self.llm_engine.model_config.get_total_num_hidden_layers()
+        model_config = self.llm_engine.model_config
+        self.num_layers = model_config.get_total_num_hidden_layers()
+        self.steering = SteeringState(
+            ModelShape(self.num_layers, model_config.get_hidden_size()),
+            enabled=enable_steering,
+            push=lambda wire: self.collective_rpc("interp_set_global_steering", args=(wire,)),
+        )
 
     def generate(self, prompts: Any, sampling_params: Any = None, *, readout: ReadoutArg = None, **kwargs: Any):
-        params, keys = self._with_readouts(_count_prompts(prompts), sampling_params, readout)
+        """vLLM's ``generate``; ``readout=`` returns residual rows on ``output.residuals``, and sampling
+        params built with ``vllm_interp.steered_params`` are steered."""
+        params, keys = self._prepare(_count_prompts(prompts), sampling_params, readout)
         return self._attach_readouts(super().generate(prompts, params, **kwargs), keys)
 
     def chat(self, messages: Any, sampling_params: Any = None, *, readout: ReadoutArg = None, **kwargs: Any):
         count = 1 if messages and isinstance(messages[0], dict) else len(messages)
-        params, keys = self._with_readouts(count, sampling_params, readout)
+        params, keys = self._prepare(count, sampling_params, readout)
         return self._attach_readouts(super().chat(messages, params, **kwargs), keys)
+
+    # -- steering (the offline twins of /v1/steering/*) ------------------------------------------------
+    def set_steering(self, vectors: Any = None, prefill_vectors: Any = None, decode_vectors: Any = None,
+                     *, replace: bool = False) -> dict[str, Any]:
+        """Set global steering (every request, from the next step on); returns the new global state."""
+        spec = {"vectors": vectors, "prefill_vectors": prefill_vectors, "decode_vectors": decode_vectors}
+        self.steering.set(spec, replace=replace)
+        return self.steering.describe()
+
+    def clear_steering(self) -> None:
+        self.steering.clear()
+
+    def get_steering(self) -> dict[str, Any]:
+        return self.steering.describe()
+
+    def register_steering_vectors(self, name: str, vectors: Any = None, prefill_vectors: Any = None,
+                                  decode_vectors: Any = None) -> None:
+        """Register vectors a request can use by ``steering_name``."""
+        spec = {"vectors": vectors, "prefill_vectors": prefill_vectors, "decode_vectors": decode_vectors}
+        self.steering.register(name, spec)
+
+    def unregister_steering_vectors(self, name: str) -> None:
+        self.steering.unregister(name)
+
+    def list_steering_vectors(self) -> list[str]:
+        return sorted(self.steering.named)
 
     def shutdown(self) -> None:
         """Stop the engine processes now (rather than at garbage collection)."""
@@ -77,12 +116,9 @@ class LLM(vllm.LLM):
         """The installed sites on each worker (layers held, hooks, read buffer rows)."""
         return self.collective_rpc("interp_describe_sites")
 
-    def _with_readouts(
-        self, count: int, sampling_params: Any, readout: ReadoutArg
-    ) -> tuple[Any, list[str | None]]:
-        if readout is None:
-            return sampling_params, [None] * count
-        if not self.interp_config.enable_readout:
+    def _prepare(self, count: int, sampling_params: Any, readout: ReadoutArg) -> tuple[Any, list[str | None]]:
+        """Per-prompt SamplingParams with the vllm-interp payload in ``extra_args``; read-out keys."""
+        if readout is not None and not self.interp_config.enable_readout:
             raise ValueError("readout= needs an engine built with enable_readout=True")
         specs = list(readout) if isinstance(readout, Sequence) else [readout] * count
         if len(specs) != count:
@@ -90,23 +126,25 @@ class LLM(vllm.LLM):
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         base = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params] * count
+        if len(base) != count:
+            raise ValueError(f"sampling_params: got {len(base)} for {count} prompts")
         params: list[SamplingParams] = []
         keys: list[str | None] = []
         for spec, param in zip(specs, base, strict=True):
-            if spec is None:
-                params.append(param)
-                keys.append(None)
-                continue
-            spec = validate_readout_spec(spec, num_layers=self.num_layers)
-            if param.n > 1:
-                raise ValueError("readout: SamplingParams.n > 1 is not supported; submit the prompt n times")
-            key = uuid4().hex
+            payload = self.steering.request_payload(raw_steering_fields(param))
+            key = None
+            if spec is not None:
+                spec = validate_readout_spec(spec, num_layers=self.num_layers)
+                if param.n > 1:
+                    raise ValueError("readout: SamplingParams.n > 1 is not supported; submit the prompt n times")
+                key = uuid4().hex
+                payload.update(readout=spec.model_dump(mode="json"), readout_key=key)
             param = param.clone()
-            param.extra_args = with_interp_args(
-                param.extra_args, readout=spec.model_dump(mode="json"), readout_key=key
-            )
-            # Rows served from the prefix cache are never computed, so they could not be read.
-            param.skip_reading_prefix_cache = True
+            param.extra_args = with_interp_args(param.extra_args, **payload)
+            param.extra_args[EXTRA_ARGS_KEY].pop(RAW_KEY, None)
+            if key is not None:
+                # Rows served from the prefix cache are never computed, so they could not be read.
+                param.skip_reading_prefix_cache = True
             params.append(param)
             keys.append(key)
         return params, keys

@@ -1,40 +1,47 @@
+import pytest
 import torch
 
-from vllm_interp.models import site_ops
+from vllm_interp.models.site_ops import STEP, site
+
+HIDDEN = 8
 
 
-def _read(hidden, residual, rows, count):
-    out = torch.zeros(3, 4, hidden.shape[-1])
-    site_ops.set_step_read_rows(count)
+def _run(hidden, residual, *, rows=None, count=0, index=None, table=None, hook=1):
+    tokens = hidden.reshape(-1, HIDDEN).shape[0]
+    out = torch.zeros(3, 4, HIDDEN)
+    rows = torch.zeros(4, dtype=torch.long) if rows is None else rows
+    index = torch.zeros(tokens, dtype=torch.long) if index is None else index
+    table = torch.zeros(3, 1, HIDDEN) if table is None else table
+    STEP.read_rows, STEP.steer = count, table.shape[1] > 1
     try:
-        site_ops.read_site(hidden, residual, rows, out, 1)
+        site(hidden, residual, index, table, rows, out, hook)
     finally:
-        site_ops.set_step_read_rows(0)
+        STEP.read_rows, STEP.steer = 0, False
     return out
 
 
 def test_reads_the_sum_of_the_deferred_pair_at_planned_rows_only():
-    hidden, residual = torch.randn(6, 8), torch.randn(6, 8)
-    out = _read(hidden, residual, torch.tensor([5, 2, 3, 3]), count=2)
+    hidden, residual = torch.randn(6, HIDDEN), torch.randn(6, HIDDEN)
+    out = _run(hidden, residual, rows=torch.tensor([5, 2, 3, 3]), count=2)
     assert torch.equal(out[1, 0], hidden[5] + residual[5])
     assert torch.equal(out[1, 1], hidden[2] + residual[2])
     assert not out[1, 2:].any() and not out[0].any() and not out[2].any()
 
 
 def test_a_step_without_reads_touches_nothing():
-    out = _read(torch.randn(6, 8), None, torch.tensor([1, 0, 0, 0]), count=0)
+    out = _run(torch.randn(6, HIDDEN), None, rows=torch.tensor([1, 0, 0, 0]), count=0)
     assert not out.any()
 
 
 def test_batched_transformers_layout_is_flattened():
-    hidden = torch.randn(1, 6, 8)
-    out = _read(hidden, None, torch.tensor([4, 0, 0, 0]), count=1)
+    hidden = torch.randn(1, 6, HIDDEN)
+    out = _run(hidden, None, rows=torch.tensor([4, 0, 0, 0]), count=1)
     assert torch.equal(out[1, 0], hidden[0, 4])
 
 
 def test_a_read_row_is_a_copy_that_in_place_kernels_cannot_change():
-    hidden, residual = torch.randn(6, 8), torch.randn(6, 8)
-    out = _read(hidden, residual, torch.tensor([3, 0, 0, 0]), count=1)
+    hidden, residual = torch.randn(6, HIDDEN), torch.randn(6, HIDDEN)
+    out = _run(hidden, residual, rows=torch.tensor([3, 0, 0, 0]), count=1)
     expected = (hidden[3] + residual[3]).clone()
     # What vLLM's fused add+RMSNorm does next: residual <- hidden + residual, hidden <- norm(residual).
     residual.add_(hidden)
@@ -42,23 +49,46 @@ def test_a_read_row_is_a_copy_that_in_place_kernels_cannot_change():
     assert torch.equal(out[1, 0], expected)
 
 
+@pytest.mark.parametrize("pair", [True, False])
+def test_steering_adds_the_tokens_table_row_then_reads_the_steered_stream(pair):
+    hidden, residual = torch.randn(4, HIDDEN), torch.randn(4, HIDDEN) if pair else None
+    before_hidden = hidden.clone()
+    before_stream = hidden + residual if pair else hidden.clone()
+    table = torch.zeros(3, 3, HIDDEN)
+    table[1, 1], table[1, 2] = 1.0, -2.0
+    out = _run(hidden, residual, rows=torch.tensor([0, 1, 2, 3]), count=4, index=torch.tensor([0, 1, 2, 0]),
+               table=table)
+    delta = torch.stack([table[1, 0], table[1, 1], table[1, 2], table[1, 0]])
+    # hidden + (residual + delta): equal to the steered stream up to float addition order.
+    torch.testing.assert_close(out[1], before_stream + delta, rtol=0, atol=1e-6)
+    if pair:  # the deferred pair is steered through the residual; hidden stays as it was
+        assert torch.equal(hidden, before_hidden)
+    assert torch.equal(out[1, 0], before_stream[0]) and torch.equal(out[1, 3], before_stream[3])
+
+
 def test_the_op_survives_torch_compile_and_sees_buffer_updates():
     class Layer(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.register_buffer("interp_rows", torch.zeros(4, dtype=torch.long), persistent=False)
-            self.register_buffer("interp_out", torch.zeros(3, 4, 8), persistent=False)
+            self.register_buffer("rows", torch.zeros(4, dtype=torch.long), persistent=False)
+            self.register_buffer("out", torch.zeros(3, 4, HIDDEN), persistent=False)
+            self.register_buffer("index", torch.zeros(6, dtype=torch.long), persistent=False)
+            self.register_buffer("table", torch.zeros(3, 2, HIDDEN), persistent=False)
 
         def forward(self, x):
-            site_ops.read_site(x, None, self.interp_rows, self.interp_out, 0)
+            x = x * 1.0
+            site(x, None, self.index, self.table, self.rows, self.out, 0)
             return x * 2
 
     layer = Layer()
     compiled = torch.compile(layer, fullgraph=True)
-    for row in (1, 4):
-        x = torch.randn(6, 8)
-        layer.interp_rows[0] = row
-        site_ops.set_step_read_rows(1)
-        compiled(x)
-        site_ops.set_step_read_rows(0)
-        assert torch.equal(layer.interp_out[0, 0], x[row])
+    for row, shift in ((1, 0.0), (4, 3.0)):
+        x = torch.randn(6, HIDDEN)
+        layer.rows[0] = row
+        layer.table[0, 1] = shift
+        layer.index.fill_(1)
+        STEP.read_rows, STEP.steer = 1, True
+        y = compiled(x)
+        STEP.read_rows, STEP.steer = 0, False
+        assert torch.equal(layer.out[0, 0], x[row] + shift)
+        assert torch.equal(y, (x + shift) * 2)

@@ -16,5 +16,9 @@ def load() -> None:
     check_vllm_version()
     # Register the site op before any model is traced in this process.
     import vllm_interp.models.site_ops  # noqa: F401
+    from vllm_interp.engine import prefix_cache_keys
+
+    # Engine core: salt block hashes of steered requests (harmless in processes that never hash).
+    prefix_cache_keys.install()
 
     _loaded = True

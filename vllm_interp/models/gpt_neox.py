@@ -6,21 +6,19 @@ contribution added and the MLP's not yet. The arithmetic keeps the order of vLLM
 (``GPTNeoXLayer.forward``) so that post_block is bit-identical to the unhooked model.
 """
 
-from vllm_interp.models.hook_points import POST_ATTN, POST_BLOCK, PRE_ATTN
-from vllm_interp.models.site_ops import read_site
+from vllm_interp.models.hook_points import POST_ATTN, POST_BLOCK, PRE_ATTN, visit
 
 
 def gpt_neox_layer_forward(self, position_ids, hidden_states):
-    rows, out = self.interp_rows, self.interp_out
-    read_site(hidden_states, None, rows, out, PRE_ATTN)
+    visit(self, hidden_states, None, PRE_ATTN)
     attn_output = self.attention(position_ids=position_ids, hidden_states=self.input_layernorm(hidden_states))
     if self.use_parallel_residual:
-        read_site(attn_output, hidden_states, rows, out, POST_ATTN)
+        visit(self, hidden_states, attn_output, POST_ATTN)  # steering adds to the attention output
         mlp_output = self.mlp(self.post_attention_layernorm(hidden_states))
         hidden_states = mlp_output + attn_output + hidden_states
     else:
         attn_output = attn_output + hidden_states
-        read_site(attn_output, None, rows, out, POST_ATTN)
+        visit(self, attn_output, None, POST_ATTN)
         hidden_states = self.mlp(self.post_attention_layernorm(attn_output)) + attn_output
-    read_site(hidden_states, None, rows, out, POST_BLOCK)
+    visit(self, hidden_states, None, POST_BLOCK)
     return hidden_states

@@ -1,28 +1,43 @@
 """Hook points: class swaps that call the read op at the three residual-stream sites of a layer.
 
 Hooks are installed by swapping ``module.__class__`` for a subclass (not by wrapping modules), so
-parameter names, weight loading and vLLM's CustomOp dispatch are unchanged. Every hooked module owns two
-non-persistent buffers: ``interp_rows`` (the step's row plan, one tensor shared by all modules) and
-``interp_out`` (the layer's read buffer, shared by the layer and its post_attn module).
+parameter names, weight loading and vLLM's CustomOp dispatch are unchanged. Every hooked module holds the
+site buffers as non-persistent buffers (see ``LayerBuffers``): the step's plans (one tensor each, shared by
+all layers) and the layer's own read buffer and steering table (shared by the layer and its post_attn
+module).
 """
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cache
 
 import torch
 from torch import nn
 
 from vllm_interp.hooks import HOOK_INDEX
-from vllm_interp.models.site_ops import read_site
+from vllm_interp.models.site_ops import site
 
 PRE_ATTN = HOOK_INDEX["pre_attn"]
 POST_ATTN = HOOK_INDEX["post_attn"]
 POST_BLOCK = HOOK_INDEX["post_block"]
 
 
-def attach_buffers(module: nn.Module, rows: torch.Tensor, out: torch.Tensor) -> None:
-    module.register_buffer("interp_rows", rows, persistent=False)
-    module.register_buffer("interp_out", out, persistent=False)
+@dataclass(frozen=True)
+class LayerBuffers:
+    steer_index: torch.Tensor  # [max_tokens] steering-table row per token (shared)
+    steer_table: torch.Tensor  # [hooks, rows, hidden] this layer's steering vectors
+    read_rows: torch.Tensor  # [max_rows] token row per read slot (shared)
+    read_out: torch.Tensor  # [hooks, max_rows, hidden] this layer's reads
+
+    def attach(self, module: nn.Module) -> None:
+        for name, tensor in vars(self).items():
+            module.register_buffer(f"interp_{name}", tensor, persistent=False)
+
+
+def visit(module: nn.Module, hidden: torch.Tensor, residual: torch.Tensor | None, hook: int) -> None:
+    """Run the site op on the stream at ``hook`` with the buffers ``module`` holds."""
+    site(hidden, residual, module.interp_steer_index, module.interp_steer_table, module.interp_read_rows,
+         module.interp_read_out, hook)
 
 
 def swap_class(module: nn.Module, make: Callable[[type], type]) -> None:
@@ -48,9 +63,9 @@ def pair_layer(base: type) -> type:
     """
 
     def forward(self, positions, hidden_states, residual, *args, **kwargs):
-        read_site(hidden_states, residual, self.interp_rows, self.interp_out, PRE_ATTN)
+        visit(self, hidden_states, residual, PRE_ATTN)
         hidden_states, residual = _inner(self, base, positions, hidden_states, residual, *args, **kwargs)
-        read_site(hidden_states, residual, self.interp_rows, self.interp_out, POST_BLOCK)
+        visit(self, hidden_states, residual, POST_BLOCK)
         return hidden_states, residual
 
     return type(f"Interp{base.__name__}", (base,), {"forward": forward})
@@ -63,10 +78,10 @@ def single_layer(base: type, hidden_arg: int) -> type:
 
     def forward(self, *args, **kwargs):
         hidden = args[hidden_arg] if len(args) > hidden_arg else kwargs["hidden_states"]
-        read_site(hidden, None, self.interp_rows, self.interp_out, PRE_ATTN)
+        visit(self, hidden, None, PRE_ATTN)
         output = _inner(self, base, *args, **kwargs)
         stream = output[0] if isinstance(output, tuple) else output
-        read_site(stream, None, self.interp_rows, self.interp_out, POST_BLOCK)
+        visit(self, stream, None, POST_BLOCK)
         return output
 
     return type(f"Interp{base.__name__}", (base,), {"forward": forward})
@@ -79,7 +94,7 @@ def post_attn_input(base: type) -> type:
 
     def forward(self, x, *args, **kwargs):
         residual = args[0] if args else kwargs.get("residual")
-        read_site(x, residual, self.interp_rows, self.interp_out, POST_ATTN)
+        visit(self, x, residual, POST_ATTN)
         return _inner(self, base, x, *args, **kwargs)
 
     return type(f"Interp{base.__name__}", (base,), {"forward": forward})

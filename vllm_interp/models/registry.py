@@ -50,8 +50,8 @@ class ArchSites:
     # A replacement forward that reads all three sites itself (blocks with no post_attn module).
     forward: Callable | None = None
 
-    def install(self, layer: nn.Module, rows: torch.Tensor, out: torch.Tensor) -> None:
-        hook_points.attach_buffers(layer, rows, out)
+    def install(self, layer: nn.Module, buffers: hook_points.LayerBuffers) -> None:
+        buffers.attach(layer)
         if self.forward is not None:
             hook_points.swap_class(layer, lambda base: hook_points.with_forward(base, self.forward))
             return
@@ -61,7 +61,7 @@ class ArchSites:
             hook_points.swap_class(layer, lambda base: hook_points.single_layer(base, self.hidden_arg))
         name = self.post_attn(layer) if callable(self.post_attn) else self.post_attn
         target = getattr(layer, name)
-        hook_points.attach_buffers(target, rows, out)
+        buffers.attach(target)
         hook_points.swap_class(target, hook_points.post_attn_input)
 
 
@@ -115,6 +115,8 @@ class SiteBank:
 
     rows: torch.Tensor  # [max_rows] token-row indices of the step's reads
     outs: dict[int, torch.Tensor]  # layer -> [len(HOOKS), max_rows, hidden]
+    steer_index: torch.Tensor  # [max_tokens] steering-table row of each token
+    steer_tables: dict[int, torch.Tensor]  # layer -> [len(HOOKS), steer_rows, hidden]
 
     @property
     def layers(self) -> list[int]:
@@ -125,9 +127,19 @@ class SiteBank:
 
 
 def install_sites(
-    model: nn.Module, hidden_size: int, dtype: torch.dtype, max_rows: int, device: torch.device
+    model: nn.Module,
+    *,
+    hidden_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_rows: int,
+    max_tokens: int,
+    steer_rows: int,
 ) -> SiteBank:
-    """Install the three sites on every decoder layer this rank holds; returns their buffers."""
+    """Install the three sites on every decoder layer this rank holds; returns their buffers.
+
+    ``steer_rows`` is the height of each layer's steering table (1: steering off, only the zero row).
+    """
     from vllm.model_executor.models.utils import PPMissingLayer
 
     architecture = type(model).__name__
@@ -135,14 +147,24 @@ def install_sites(
     if sites is None:
         raise UnsupportedArchitecture(unsupported_message(architecture))
     layers = attrgetter(sites.layers)(model)
-    rows = torch.zeros(max_rows, dtype=torch.long, device=device)
-    bank = SiteBank(rows=rows, outs={})
+    bank = SiteBank(
+        rows=torch.zeros(max_rows, dtype=torch.long, device=device),
+        outs={},
+        steer_index=torch.zeros(max_tokens, dtype=torch.long, device=device),
+        steer_tables={},
+    )
     for index, layer in enumerate(layers):
         if isinstance(layer, PPMissingLayer):  # held by another pipeline stage
             continue
-        out = torch.zeros(len(HOOKS), max_rows, hidden_size, dtype=dtype, device=device)
-        sites.install(layer, rows, out)
-        bank.outs[index] = out
+        buffers = hook_points.LayerBuffers(
+            steer_index=bank.steer_index,
+            steer_table=torch.zeros(len(HOOKS), steer_rows, hidden_size, dtype=dtype, device=device),
+            read_rows=bank.rows,
+            read_out=torch.zeros(len(HOOKS), max_rows, hidden_size, dtype=dtype, device=device),
+        )
+        sites.install(layer, buffers)
+        bank.outs[index] = buffers.read_out
+        bank.steer_tables[index] = buffers.steer_table
     if not bank.outs:
         raise UnsupportedArchitecture(f"{architecture}: found no decoder layers at {sites.layers!r}")
     return bank

@@ -1,62 +1,87 @@
 """The opaque custom op every hook site calls, registered once per process.
 
-``vllm_interp::read_site`` copies the rows planned for this step out of the residual stream into a
-persistent per-layer buffer. The stream is given as vLLM carries it: either one tensor, or the deferred
-``(hidden_states, residual)`` pair whose sum is the true stream. Rows are gathered first, so the op reads
-only the planned rows and its output is a copy: the fused add+norm kernels that later update ``residual``
-in place cannot change what was read.
+``vllm_interp::site`` does two things to the residual stream at one (layer, hook), in this order:
+
+1. **steer**: add ``steer_table[hook, steer_index[row]]`` to every row, in place (row 0 of the table is
+   zeros, so unsteered rows are unchanged bit for bit);
+2. **read**: copy the rows planned for this step into ``read_out[hook]``.
+
+The stream is given as vLLM carries it: one tensor, or the deferred ``(hidden_states, residual)`` pair whose
+sum is the true stream; steering adds to ``residual`` when there is one (the layer's later fused add+norm
+folds it in), else to ``hidden``. Reads gather the planned rows first, so a read is a copy that the fused
+kernels updating ``residual`` in place later cannot change.
 
 Why an opaque op over persistent buffers: vLLM traces the model once and drops Dynamo guards, so Python
 state read at trace time would be frozen into the graph. The op's body runs on every step instead, and the
 tensors it touches are module buffers that the runner updates in place (``copy_``), which the compiled
-graph sees as inputs. ``mutates_args`` on the output keeps Inductor from dropping the call.
+graph sees as inputs. Declared mutations keep Inductor from dropping the call.
 """
+
+from dataclasses import dataclass
 
 import torch
 
-# Rows the runner planned for the current step. Host-side so that a step that reads nothing costs one
-# early return per site; steps that read run the op body eagerly (CPU Inductor calls it as an extern).
-_step_read_rows = 0
+
+@dataclass
+class StepState:
+    """Host-side facts about the current step, set by the runner before each forward. A step that reads or
+    steers nothing costs one early return per site; under CUDA-graph capture the op body is frozen, so the
+    captured graph always steers and reads every slot (the runner keeps unused slots harmless)."""
+
+    read_rows: int = 0
+    steer: bool = False
 
 
-def set_step_read_rows(count: int) -> None:
-    global _step_read_rows
-    _step_read_rows = count
+STEP = StepState()
 
 
-def _read_site(
-    hidden: torch.Tensor, residual: torch.Tensor | None, rows: torch.Tensor, out: torch.Tensor, hook: int
+def _capturing(tensor: torch.Tensor) -> bool:
+    return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _site(
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    steer_index: torch.Tensor,
+    steer_table: torch.Tensor,
+    read_rows: torch.Tensor,
+    read_out: torch.Tensor,
+    hook: int,
 ) -> None:
-    # A CUDA-graph capture freezes this body, so captured graphs read every slot on each replay (the runner
-    # keeps unplanned slots at row 0); eager steps read only the planned rows.
-    capturing = hidden.is_cuda and torch.cuda.is_current_stream_capturing()
-    count = rows.shape[0] if capturing else _step_read_rows
+    capturing = _capturing(hidden)
+    width = hidden.shape[-1]
+    target = hidden if residual is None else residual
+    # A one-row table holds only the zero row: steering is off for this engine.
+    if (STEP.steer or capturing) and steer_table.shape[1] > 1:
+        flat = target.view(-1, width)
+        flat.add_(steer_table[hook].index_select(0, steer_index[: flat.shape[0]]))
+    count = read_rows.shape[0] if capturing else STEP.read_rows
     if count == 0:
         return
-    index = rows[:count]
-    width = hidden.shape[-1]
+    index = read_rows[:count]
     picked = hidden.reshape(-1, width).index_select(0, index)
     if residual is not None:
         picked.add_(residual.reshape(-1, width).index_select(0, index))
-    out[hook, :count].copy_(picked)
+    read_out[hook, :count].copy_(picked)
 
 
-def _read_site_fake(
-    hidden: torch.Tensor, residual: torch.Tensor | None, rows: torch.Tensor, out: torch.Tensor, hook: int
-) -> None:
+def _site_fake(hidden, residual, steer_index, steer_table, read_rows, read_out, hook) -> None:
     return None
 
 
 def _register() -> None:
-    if hasattr(torch.ops.vllm_interp, "read_site"):
+    if hasattr(torch.ops.vllm_interp, "site"):
         return
     lib = torch.library.Library("vllm_interp", "FRAGMENT")  # noqa: TOR901 - lives for the process
-    lib.define("read_site(Tensor hidden, Tensor? residual, Tensor rows, Tensor(a!) out, int hook) -> ()")
-    lib.impl("read_site", _read_site, "CompositeExplicitAutograd")
-    torch.library.register_fake("vllm_interp::read_site", _read_site_fake, lib=lib)
+    lib.define(
+        "site(Tensor(a!) hidden, Tensor(b!)? residual, Tensor steer_index, Tensor steer_table, "
+        "Tensor read_rows, Tensor(c!) read_out, int hook) -> ()"
+    )
+    lib.impl("site", _site, "CompositeExplicitAutograd")
+    torch.library.register_fake("vllm_interp::site", _site_fake, lib=lib)
     _LIBS.append(lib)
 
 
 _LIBS: list[torch.library.Library] = []
 _register()
-read_site = torch.ops.vllm_interp.read_site
+site = torch.ops.vllm_interp.site

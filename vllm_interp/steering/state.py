@@ -1,0 +1,100 @@
+"""Frontend side of steering: the global tiers, the named vectors, and turning a request's fields into the
+normalised payload the engine core (prefix-cache keys) and the workers (tables) read.
+
+One instance lives in the process that admits requests (the offline ``LLM`` or the API server); global
+changes are pushed to every worker with ``collective_rpc`` before the call returns.
+"""
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from vllm_interp.steering.vectors import (
+    REQUEST_FIELDS,
+    TIERS,
+    ModelShape,
+    SteeringError,
+    SteeringVectors,
+    Tier,
+    validate_steering,
+)
+
+GLOBAL_FIELDS: dict[Tier, str] = {"base": "vectors", "prefill": "prefill_vectors", "decode": "decode_vectors"}
+NAME_FIELD = "steering_name"
+# Raw request fields as offline callers put them in extra_args (see steered_params).
+RAW_KEY = "steering_request"
+
+
+class SteeringState:
+    def __init__(self, shape: ModelShape, *, enabled: bool, push: Callable[[dict[str, Any]], None]) -> None:
+        self.shape = shape
+        self.enabled = enabled
+        self._push = push
+        self.global_vectors = SteeringVectors()
+        self.named: dict[str, SteeringVectors] = {}
+
+    def _validate(self, tiers: Mapping[Tier, Any], fields: Mapping[Tier, str]) -> SteeringVectors:
+        return validate_steering(tiers, shape=self.shape, enabled=self.enabled, fields=fields)
+
+    # -- global --------------------------------------------------------------------------------------
+    def set(self, spec: Mapping[str, Any], *, replace: bool = False) -> SteeringVectors:
+        """``spec`` has ``vectors``, ``prefill_vectors``, ``decode_vectors``; without ``replace`` the given
+        sites overwrite the current ones and the rest stay."""
+        if not self.enabled:
+            raise SteeringError("vectors: steering is not enabled on this engine (--enable-steering)")
+        update = self._validate({tier: spec.get(name) for tier, name in GLOBAL_FIELDS.items()}, GLOBAL_FIELDS)
+        self._apply(update if replace else self.global_vectors.merged(update))
+        return self.global_vectors
+
+    def clear(self) -> None:
+        self._apply(SteeringVectors())
+
+    def _apply(self, vectors: SteeringVectors) -> None:
+        self._push(vectors.to_wire())
+        self.global_vectors = vectors
+
+    # -- named ---------------------------------------------------------------------------------------
+    def register(self, name: str, spec: Mapping[str, Any]) -> SteeringVectors:
+        if not name:
+            raise SteeringError("name: must not be empty")
+        vectors = self._validate({tier: spec.get(field) for tier, field in GLOBAL_FIELDS.items()}, GLOBAL_FIELDS)
+        if vectors.is_empty:
+            raise SteeringError("vectors: a named entry needs at least one vector")
+        self.named[name] = vectors
+        return vectors
+
+    def unregister(self, name: str) -> None:
+        if name not in self.named:
+            raise SteeringError(f"name: no steering vectors are registered as {name!r}")
+        del self.named[name]
+
+    # -- requests ------------------------------------------------------------------------------------
+    def request_vectors(self, fields: Mapping[str, Any]) -> SteeringVectors:
+        """Validate a request's steering fields (``steering_vectors``, ``prefill_steering_vectors``,
+        ``decode_steering_vectors``, ``steering_name``) into its own vectors."""
+        vectors = self._validate({tier: fields.get(field) for tier, field in REQUEST_FIELDS.items()}, REQUEST_FIELDS)
+        name = fields.get(NAME_FIELD)
+        if name is not None:
+            if not self.enabled:
+                raise SteeringError(f"{NAME_FIELD}: steering is not enabled on this engine (--enable-steering)")
+            if name not in self.named:
+                known = ", ".join(sorted(self.named)) or "none"
+                raise SteeringError(f"{NAME_FIELD}: unknown name {name!r} (registered: {known})")
+            vectors = vectors + self.named[name]
+        return vectors
+
+    def request_payload(self, fields: Mapping[str, Any]) -> dict[str, Any]:
+        """The ``extra_args["vllm_interp"]`` entries for a request: its vectors for the workers, and the
+        prefix-cache salt covering every vector its KV will be computed under (global included)."""
+        own = self.request_vectors(fields)
+        payload: dict[str, Any] = {}
+        if not own.is_empty:
+            payload["steering"] = {"vectors": own.to_wire(), "digest": own.digest()}
+        effective = self.global_vectors + own
+        if not effective.is_empty:
+            # Base and prefill vectors change the KV of every prompt position; decode vectors only that
+            # of generated tokens, so blocks wholly inside the prompt stay shared.
+            payload["prefix_salt"] = {"digest": effective.digest(), "from_prompt_end": not effective.affects_prefill}
+        return payload
+
+    def describe(self) -> dict[str, Any]:
+        return {GLOBAL_FIELDS[tier]: self.global_vectors.to_json().get(tier, {}) for tier in TIERS}

@@ -1,0 +1,129 @@
+"""Worker side of steering: per-layer tables of summed vectors, and the table row of every token.
+
+Each layer holds ``table[hook, row]``. Row 0 is zeros (unsteered tokens), rows 1 and 2 the global prefill
+and decode vectors (global base + tier), and each per-request config slot ``s`` owns rows ``3 + 2s``
+(prefill) and ``4 + 2s`` (decode), which already include the global vectors. Identical request specs share
+a slot; a slot is freed when its last request leaves the batch. Tables change only by in-place writes, so
+compiled graphs see them.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from vllm_interp.engine.row_plan import BatchSlice
+from vllm_interp.hooks import HOOK_INDEX, parse_site_name
+from vllm_interp.models.registry import SiteBank
+from vllm_interp.request_args import interp_args
+from vllm_interp.steering.vectors import SteeringVectors
+
+GLOBAL_ROWS = {"prefill": 1, "decode": 2}
+FIRST_SLOT_ROW = 3
+
+
+def table_rows(max_configs: int) -> int:
+    return FIRST_SLOT_ROW + 2 * max_configs
+
+
+class SteeringSlotsExhausted(RuntimeError):
+    pass
+
+
+@dataclass
+class _Slot:
+    digest: str
+    index: int
+    vectors: SteeringVectors
+    requests: set[str] = field(default_factory=set)
+
+    def row(self, phase: Literal["prefill", "decode"]) -> int:
+        return FIRST_SLOT_ROW + 2 * self.index + (phase == "decode")
+
+
+class SteeringTables:
+    def __init__(self, bank: SiteBank, max_configs: int) -> None:
+        self.bank = bank
+        self.max_configs = max_configs
+        self.global_vectors = SteeringVectors()
+        self._slots: dict[str, _Slot] = {}
+        self._free = list(range(max_configs))
+        self._by_req: dict[str, _Slot | None] = {}
+
+    # -- global state --------------------------------------------------------------------------------
+    def set_global(self, vectors: SteeringVectors) -> None:
+        self.global_vectors = vectors
+        for phase, row in GLOBAL_ROWS.items():
+            self._write_row(row, vectors.phase_vectors(phase))
+        for slot in self._slots.values():
+            self._write_slot(slot)
+
+    # -- per request ---------------------------------------------------------------------------------
+    def lookup(self, req_id: str, extra_args: dict[str, Any] | None) -> _Slot | None:
+        if req_id in self._by_req:
+            return self._by_req[req_id]
+        wire = interp_args(extra_args).get("steering")
+        slot = None
+        if wire:
+            vectors = SteeringVectors.from_wire(wire["vectors"])
+            slot = self._slots.get(wire["digest"])
+            if slot is None:
+                if not self._free:
+                    raise SteeringSlotsExhausted(
+                        f"all {self.max_configs} steering config slots are in use (--max-steering-configs)"
+                    )
+                slot = _Slot(wire["digest"], self._free.pop(0), vectors)
+                self._slots[wire["digest"]] = slot
+                self._write_slot(slot)
+            slot.requests.add(req_id)
+        self._by_req[req_id] = slot
+        return slot
+
+    def forget_finished(self, live_req_ids: set[str]) -> None:
+        if len(self._by_req) <= len(live_req_ids):
+            return
+        for req_id in [r for r in self._by_req if r not in live_req_ids]:
+            slot = self._by_req.pop(req_id)
+            if slot is not None:
+                slot.requests.discard(req_id)
+                if not slot.requests:
+                    del self._slots[slot.digest]
+                    self._free.append(slot.index)
+
+    def plan(self, slices: list[BatchSlice], prompt_lens: list[int], slots: list[_Slot | None]) -> np.ndarray | None:
+        """Table row of every token of the step, or None when no token is steered."""
+        global_rows = {
+            phase: row if self.global_vectors.phase_vectors(phase) else 0 for phase, row in GLOBAL_ROWS.items()
+        }
+        if not any(global_rows.values()) and not any(slots):
+            return None
+        total = slices[-1].row_start + slices[-1].num_tokens if slices else 0
+        index = np.zeros(total, dtype=np.int64)
+        for batch_slice, prompt_len, slot in zip(slices, prompt_lens, slots, strict=True):
+            prefill_row, decode_row = (
+                (slot.row("prefill"), slot.row("decode")) if slot else (global_rows["prefill"], global_rows["decode"])
+            )
+            positions = batch_slice.positions
+            index[batch_slice.row_start : batch_slice.row_start + batch_slice.num_tokens] = np.where(
+                positions < prompt_len, prefill_row, decode_row
+            )
+        return index
+
+    def load_index(self, index: np.ndarray) -> None:
+        self.bank.steer_index[: index.shape[0]].copy_(torch.from_numpy(index), non_blocking=True)
+
+    # -- table writes --------------------------------------------------------------------------------
+    def _write_slot(self, slot: _Slot) -> None:
+        combined = self.global_vectors + slot.vectors
+        for phase in ("prefill", "decode"):
+            self._write_row(slot.row(phase), combined.phase_vectors(phase))
+
+    def _write_row(self, row: int, vectors: dict[str, np.ndarray]) -> None:
+        for table in self.bank.steer_tables.values():
+            table[:, row].zero_()
+        for name, vector in vectors.items():
+            layer, hook = parse_site_name(name)
+            table = self.bank.steer_tables.get(layer)
+            if table is not None:  # another pipeline stage holds this layer
+                table[HOOK_INDEX[hook], row].copy_(torch.tensor(vector))

@@ -1,0 +1,222 @@
+"""Steering vectors: the wire formats, their one validation, and the normalised form every layer uses.
+
+A steering spec maps hook -> layer -> entry, where an entry is a list of floats or ``{vector, scale}``;
+instead of a layer map a hook may carry the compact form ``{dtype, shape, layers, data}`` (base64 of
+little-endian float32 or bfloat16, ``shape = [len(layers), hidden]``, optional ``scales``). Three tiers:
+``base`` (every token), ``prefill`` (prompt tokens) and ``decode`` (generated tokens). The effective
+vector of a token is the sum of the global and the request's base and phase tiers.
+"""
+
+import base64
+import binascii
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from vllm_interp.hooks import HOOK_INDEX, HOOKS, parse_site_name, site_name
+
+Tier = Literal["base", "prefill", "decode"]
+TIERS: tuple[Tier, ...] = ("base", "prefill", "decode")
+# The request fields (HTTP and SamplingParams helpers) that carry each tier.
+REQUEST_FIELDS: dict[Tier, str] = {
+    "base": "steering_vectors",
+    "prefill": "prefill_steering_vectors",
+    "decode": "decode_steering_vectors",
+}
+
+
+class SteeringError(ValueError):
+    """A steering spec the engine cannot apply; the message starts with the offending field."""
+
+
+class PackedVectors(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    dtype: Literal["float32", "bfloat16"]
+    shape: tuple[int, int]
+    layers: list[int]
+    data: str
+    scales: list[float] | None = None
+
+
+class ScaledVector(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    vector: list[float]
+    scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_layers: int
+    hidden_size: int
+
+
+@dataclass(frozen=True)
+class SteeringVectors:
+    """Normalised steering: tier -> site name -> float32 vector (scales applied). Immutable."""
+
+    tiers: Mapping[Tier, Mapping[str, np.ndarray]] = field(default_factory=dict)
+
+    @property
+    def is_empty(self) -> bool:
+        return not any(self.tiers.get(tier) for tier in TIERS)
+
+    @property
+    def affects_prefill(self) -> bool:
+        return bool(self.tiers.get("base") or self.tiers.get("prefill"))
+
+    def phase_vectors(self, phase: Literal["prefill", "decode"]) -> dict[str, np.ndarray]:
+        """Base plus the phase's tier, summed per site."""
+        return _sum_sites(self.tiers.get("base", {}), self.tiers.get(phase, {}))
+
+    def __add__(self, other: "SteeringVectors") -> "SteeringVectors":
+        return SteeringVectors({t: _sum_sites(self.tiers.get(t, {}), other.tiers.get(t, {})) for t in TIERS})
+
+    def merged(self, update: "SteeringVectors") -> "SteeringVectors":
+        """``update``'s sites replace this one's, tier by tier (``POST /v1/steering/set`` without replace)."""
+        return SteeringVectors({t: {**self.tiers.get(t, {}), **update.tiers.get(t, {})} for t in TIERS})
+
+    def digest(self) -> str:
+        """Identifies the exact vectors; identical specs share table slots and prefix-cache blocks."""
+        h = hashlib.sha256()
+        for tier in TIERS:
+            for name in sorted(self.tiers.get(tier, {})):
+                h.update(f"{tier}/{name}".encode())
+                h.update(np.ascontiguousarray(self.tiers[tier][name], dtype="<f4").tobytes())
+        return h.hexdigest()[:32]
+
+    def to_wire(self) -> dict[str, dict[str, str]]:
+        """msgpack-plain form (base64 float32 per site) for ``extra_args`` and RPCs."""
+        return {
+            tier: {name: base64.b64encode(vec.astype("<f4").tobytes()).decode() for name, vec in sites.items()}
+            for tier, sites in self.tiers.items()
+            if sites
+        }
+
+    @classmethod
+    def from_wire(cls, wire: Mapping[str, Mapping[str, str]]) -> "SteeringVectors":
+        return cls({
+            tier: {name: np.frombuffer(base64.b64decode(data), dtype="<f4") for name, data in sites.items()}
+            for tier, sites in wire.items()
+        })
+
+    def to_json(self) -> dict[str, dict[str, dict[str, list[float]]]]:
+        """The JSON spec form (``GET /v1/steering``): tier -> hook -> layer -> list of floats."""
+        out: dict[str, dict[str, dict[str, list[float]]]] = {}
+        for tier, sites in self.tiers.items():
+            for name, vec in sites.items():
+                layer, hook = parse_site_name(name)
+                out.setdefault(tier, {}).setdefault(hook, {})[str(layer)] = vec.tolist()
+        return out
+
+
+def _sum_sites(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    out = dict(a)
+    for name, vec in b.items():
+        out[name] = out[name] + vec if name in out else vec
+    return out
+
+
+def _decode_packed(packed: PackedVectors, where: str, shape: ModelShape) -> dict[int, np.ndarray]:
+    rows, width = packed.shape
+    if width != shape.hidden_size:
+        raise SteeringError(f"{where}.shape: hidden size {width} != model hidden size {shape.hidden_size}")
+    if rows != len(packed.layers):
+        raise SteeringError(f"{where}.shape: {rows} rows for {len(packed.layers)} layers")
+    if packed.scales is not None and len(packed.scales) != rows:
+        raise SteeringError(f"{where}.scales: {len(packed.scales)} scales for {rows} rows")
+    try:
+        raw = base64.b64decode(packed.data, validate=True)
+    except (binascii.Error, ValueError):
+        raise SteeringError(f"{where}.data: not valid base64") from None
+    itemsize = 4 if packed.dtype == "float32" else 2
+    if len(raw) != rows * width * itemsize:
+        raise SteeringError(f"{where}.data: {len(raw)} bytes, expected {rows * width * itemsize} for {packed.dtype}")
+    if packed.dtype == "float32":
+        matrix = np.frombuffer(raw, dtype="<f4").reshape(rows, width)
+    else:  # bfloat16 is the upper half of a float32
+        matrix = (np.frombuffer(raw, dtype="<u2").astype("<u4") << 16).view("<f4").reshape(rows, width)
+    scales = packed.scales or [1.0] * rows
+    return {layer: matrix[i] * np.float32(scales[i]) for i, layer in enumerate(packed.layers)}
+
+
+def _entry_vector(raw: Any, where: str) -> np.ndarray:
+    try:
+        if isinstance(raw, dict):
+            entry = ScaledVector.model_validate(raw)
+            return np.asarray(entry.vector, dtype=np.float32) * np.float32(entry.scale)
+        return np.asarray(ScaledVector(vector=raw).vector, dtype=np.float32)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(p) for p in first["loc"] if p != "vector")
+        raise SteeringError(f"{where}{'.' + loc if loc else ''}: {first['msg']}") from None
+
+
+def validate_steering_tier(raw: Any, *, where: str, shape: ModelShape) -> dict[str, np.ndarray]:
+    """One tier's spec -> site name -> vector. Checks hooks, layers, sizes, finiteness; ``where`` is the
+    field name errors start with."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping):
+        raise SteeringError(f"{where}: expected an object mapping hook -> layer -> vector")
+    sites: dict[str, np.ndarray] = {}
+    for hook, per_hook in raw.items():
+        hook_where = f"{where}.{hook}"
+        if hook not in HOOK_INDEX:
+            raise SteeringError(f"{hook_where}: unknown hook (known: {', '.join(HOOKS)})")
+        if isinstance(per_hook, Mapping) and "data" in per_hook:
+            try:
+                vectors = _decode_packed(PackedVectors.model_validate(per_hook), hook_where, shape)
+            except ValidationError as exc:
+                first = exc.errors()[0]
+                raise SteeringError(f"{hook_where}.{'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+        elif isinstance(per_hook, Mapping):
+            vectors = {}
+            for layer, entry in per_hook.items():
+                if not (isinstance(layer, int) or (isinstance(layer, str) and layer.lstrip("-").isdigit())):
+                    raise SteeringError(f"{hook_where}.{layer}: layer must be an integer")
+                vectors[int(layer)] = _entry_vector(entry, f"{hook_where}.{layer}")
+        else:
+            raise SteeringError(f"{hook_where}: expected a layer -> vector object or the packed form")
+        for layer, vector in vectors.items():
+            layer_where = f"{hook_where}.{layer}"
+            if not 0 <= layer < shape.num_layers:
+                raise SteeringError(f"{layer_where}: layer out of range [0, {shape.num_layers})")
+            if vector.shape != (shape.hidden_size,):
+                raise SteeringError(f"{layer_where}: expected {shape.hidden_size} values, got {vector.size}")
+            if not np.isfinite(vector).all():
+                raise SteeringError(f"{layer_where}: values must be finite (got NaN or infinity)")
+            sites[site_name(layer, hook)] = vector.astype(np.float32)
+    return sites
+
+
+def validate_steering(
+    tiers: Mapping[Tier, Any], *, shape: ModelShape, enabled: bool, fields: Mapping[Tier, str] = REQUEST_FIELDS
+) -> SteeringVectors:
+    """The one validation of a steering spec, shared by the HTTP layer, the offline API and the worker.
+
+    ``tiers`` maps tier -> raw spec (None or missing: nothing); ``fields`` names each tier in errors.
+    """
+    given = {tier: raw for tier, raw in tiers.items() if raw}
+    if given and not enabled:
+        raise SteeringError(f"{fields[next(iter(given))]}: steering is not enabled on this engine (--enable-steering)")
+    return SteeringVectors({
+        tier: validate_steering_tier(raw, where=fields[tier], shape=shape) for tier, raw in given.items()
+    })
+
+
+def pack_vectors(vectors: Mapping[int, Any], dtype: Literal["float32", "bfloat16"] = "float32") -> dict[str, Any]:
+    """Build the compact wire form of layer -> vector (numpy, torch or lists) for one hook."""
+    layers = sorted(vectors)
+    matrix = np.stack([np.asarray(vectors[layer], dtype=np.float32) for layer in layers])
+    if dtype == "float32":
+        raw = matrix.astype("<f4").tobytes()
+    else:  # round to nearest even, keep the upper 16 bits
+        bits = matrix.astype("<f4").view("<u4")
+        raw = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2").tobytes()
+    return {"dtype": dtype, "shape": list(matrix.shape), "layers": layers, "data": base64.b64encode(raw).decode()}
