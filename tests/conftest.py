@@ -52,7 +52,7 @@ def smollm2_llm(smollm2_path):
     steering enabled. Tests that set global steering clear it before they return."""
     from vllm_interp import LLM
 
-    llm = LLM(str(smollm2_path), enable_steering=True, max_steering_configs=16, **ENGINE_KWARGS)
+    llm = LLM(str(smollm2_path), enable_steering=True, max_steering_configs=4, **ENGINE_KWARGS)
     yield llm
     shutdown(llm)
 

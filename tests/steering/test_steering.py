@@ -47,7 +47,7 @@ def test_steered_logprobs_equal_transformers_for_every_tier_and_hook(smollm2_llm
         spec = {hook: {"10": _vector(i), "20": {"vector": _vector(100 + i), "scale": 0.5}}}
         cases[(tier, hook)] = spec
     params = [steered_params(_greedy(), **{FIELD[tier]: spec}) for (tier, _), spec in cases.items()]
-    # All nine configs run as one continuous batch.
+    # Nine configs, four table slots: requests wait for a slot (never run unsteered) and all match.
     outputs = smollm2_llm.generate([{"prompt_token_ids": prompt}] * len(params), params, use_tqdm=False)
     unsteered = _tokens_and_logprobs(smollm2_llm.generate([{"prompt_token_ids": prompt}], _greedy(),
                                                           use_tqdm=False)[0])

@@ -53,9 +53,8 @@ class ReadoutStore:
 
     def forget_finished(self, live_req_ids: set[str]) -> None:
         """Drop per-request lookups for requests that left the batch (their rows stay until taken)."""
-        if len(self._by_req) > len(live_req_ids):
-            for req_id in [r for r in self._by_req if r not in live_req_ids]:
-                del self._by_req[req_id]
+        for req_id in self._by_req.keys() - live_req_ids:
+            del self._by_req[req_id]
 
     def note_progress(self, req_id: str, num_computed: int) -> None:
         entry = self._by_req.get(req_id)

@@ -16,9 +16,11 @@ def load() -> None:
     check_vllm_version()
     # Register the site op before any model is traced in this process.
     import vllm_interp.models.site_ops  # noqa: F401
-    from vllm_interp.engine import prefix_cache_keys
+    from vllm_interp.engine import prefix_cache_keys, scheduler_gate
 
-    # Engine core: salt block hashes of steered requests (harmless in processes that never hash).
+    # Engine core: salt block hashes of steered requests, and hold requests that have no steering slot
+    # (both are no-ops in processes that never hash or schedule, and for requests without steering).
     prefix_cache_keys.install()
+    scheduler_gate.install()
 
     _loaded = True

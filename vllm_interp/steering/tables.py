@@ -81,9 +81,7 @@ class SteeringTables:
         return slot
 
     def forget_finished(self, live_req_ids: set[str]) -> None:
-        if len(self._by_req) <= len(live_req_ids):
-            return
-        for req_id in [r for r in self._by_req if r not in live_req_ids]:
+        for req_id in self._by_req.keys() - live_req_ids:
             slot = self._by_req.pop(req_id)
             if slot is not None:
                 slot.requests.discard(req_id)

@@ -1,0 +1,81 @@
+"""Monkeypatch: requests wait for a steering config slot instead of running unsteered.
+
+Wraps ``vllm.config.scheduler.SchedulerConfig.get_scheduler_cls`` (vLLM 0.26), which the engine core calls
+once to pick its scheduler class, so that whichever class vLLM picks (``Scheduler``, ``AsyncScheduler`` or
+a user's ``--scheduler-cls``) gains ``SteeringAdmission``. ``--scheduler-cls`` itself cannot carry this: the
+gate has to ride on top of the class vLLM would choose, and async scheduling is decided after our flags.
+
+Each worker has ``max_steering_configs`` table slots; identical specs share one. Before every scheduling
+pass the gate takes out of the waiting queues the requests whose config is new while all slots are held by
+running requests, and puts them back, in order, afterwards: they are admitted once a slot frees.
+"""
+
+from functools import cache
+from typing import Any
+
+from vllm_interp.config import InterpConfig
+from vllm_interp.request_args import interp_args
+
+_installed = False
+
+
+def steering_digest(request: Any) -> str | None:
+    params = getattr(request, "sampling_params", None)
+    wire = interp_args(params.extra_args if params is not None else None).get("steering")
+    return wire["digest"] if wire else None
+
+
+class SteeringAdmission:
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        limit = _slot_limit(self.vllm_config)
+        if limit is None:
+            return super().schedule(*args, **kwargs)
+        held = self._hold_requests_without_slot(limit)
+        try:
+            return super().schedule(*args, **kwargs)
+        finally:
+            for queue, requests in held:
+                for request in reversed(requests):
+                    queue.prepend_request(request)
+
+    def _hold_requests_without_slot(self, limit: int) -> list[tuple[Any, list[Any]]]:
+        live = {d for d in map(steering_digest, self.running) if d is not None}
+        held = []
+        for queue in (self.skipped_waiting, self.waiting):
+            waiting = [r for r in queue if (d := steering_digest(r)) is not None and d not in live]
+            blocked = []
+            for request in waiting:
+                digest = steering_digest(request)
+                if digest in live or len(live) < limit:
+                    live.add(digest)
+                else:
+                    blocked.append(request)
+            if blocked:
+                queue.remove_requests(blocked)
+                held.append((queue, blocked))
+        return held
+
+
+def _slot_limit(vllm_config: Any) -> int | None:
+    config = InterpConfig.from_additional_config(vllm_config.additional_config)
+    return config.max_steering_configs if config is not None and config.enable_steering else None
+
+
+@cache
+def _gated(scheduler_cls: type) -> type:
+    return type(f"SteeringGated{scheduler_cls.__name__}", (SteeringAdmission, scheduler_cls), {})
+
+
+def install() -> None:
+    global _installed
+    if _installed:
+        return
+    from vllm.config.scheduler import SchedulerConfig
+
+    original = SchedulerConfig.get_scheduler_cls
+
+    def get_scheduler_cls(self):
+        return _gated(original(self))
+
+    SchedulerConfig.get_scheduler_cls = get_scheduler_cls
+    _installed = True
