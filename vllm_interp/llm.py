@@ -15,7 +15,7 @@ from vllm_interp.engine.args import check_model_architecture, interp_engine_args
 from vllm_interp.request_args import EXTRA_ARGS_KEY, with_interp_args
 from vllm_interp.steering.params import raw_steering_fields
 from vllm_interp.steering.state import RAW_KEY, SteeringState
-from vllm_interp.steering.vectors import ModelShape
+from vllm_interp.steering.vectors import ModelShape, SteeringVectors
 
 ReadoutArg = ReadoutSpec | dict[str, Any] | Sequence[ReadoutSpec | dict[str, Any] | None] | None
 
@@ -65,11 +65,8 @@ class LLM(vllm.LLM):
         super().__init__(model=model, **kwargs)
         model_config = self.llm_engine.model_config
         self.num_layers = model_config.get_total_num_hidden_layers()
-        self.steering = SteeringState(
-            ModelShape(self.num_layers, model_config.get_hidden_size()),
-            enabled=enable_steering,
-            push=lambda wire: self.collective_rpc("interp_set_global_steering", args=(wire,)),
-        )
+        self.steering = SteeringState(ModelShape(self.num_layers, model_config.get_hidden_size()),
+                                      enabled=enable_steering)
 
     def generate(self, prompts: Any, sampling_params: Any = None, *, readout: ReadoutArg = None, **kwargs: Any):
         """vLLM's ``generate``; ``readout=`` returns residual rows on ``output.residuals``, and sampling
@@ -87,11 +84,16 @@ class LLM(vllm.LLM):
                      *, replace: bool = False) -> dict[str, Any]:
         """Set global steering (every request, from the next step on); returns the new global state."""
         spec = {"vectors": vectors, "prefill_vectors": prefill_vectors, "decode_vectors": decode_vectors}
-        self.steering.set(spec, replace=replace)
+        self._apply_global_steering(self.steering.plan_set(spec, replace=replace))
         return self.steering.describe()
 
     def clear_steering(self) -> None:
-        self.steering.clear()
+        self._apply_global_steering(self.steering.plan_clear())
+
+    def _apply_global_steering(self, vectors: SteeringVectors) -> None:
+        # Through the same queue as execute_model: every worker has the vectors before the next step.
+        self.collective_rpc("interp_set_global_steering", args=(vectors.to_wire(),))
+        self.steering.commit(vectors)
 
     def get_steering(self) -> dict[str, Any]:
         return self.steering.describe()

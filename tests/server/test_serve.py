@@ -1,54 +1,8 @@
 """`vllm-interp serve` on the default model: starts, hooks, answers /v1/completions."""
 
-import os
-import socket
 import subprocess
-import sys
-import time
-from pathlib import Path
 
-import pytest
-import requests
-
-VLLM_INTERP = str(Path(sys.executable).with_name("vllm-interp"))
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def server(smollm2_path):
-    port = _free_port()
-    # --enforce-eager: the compiled path is covered by the offline engines; this test is about the CLI.
-    command = [
-        VLLM_INTERP, "serve", "--enable-steering", "--dtype", "float32", "--enforce-eager", "--port", str(port),
-        "--max-model-len", "512", "--kv-cache-memory-bytes", str(128 << 20), "--seed", "0",
-    ]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 600
-    try:
-        while time.time() < deadline:
-            if process.poll() is not None:
-                pytest.fail(f"server exited with {process.returncode}:\n{process.stdout.read()[-4000:]}")
-            try:
-                if requests.get(f"{url}/health", timeout=2).ok:
-                    break
-            except requests.ConnectionError:
-                pass
-            time.sleep(2)
-        else:
-            pytest.fail("server did not become healthy in 600 s")
-        yield url, process
-    finally:
-        process.terminate()
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
+from tests.server.conftest import VLLM_INTERP
 
 
 def test_serve_answers_completions_on_the_default_model(server):

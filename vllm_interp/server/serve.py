@@ -5,10 +5,14 @@ folds our flags into ``worker_cls`` and ``additional_config`` and hands the name
 """
 
 import argparse
+import os
 
-from vllm_interp.config import InterpConfig
+from vllm_interp.config import DEFAULT_MAX_STEERING_CONFIGS, InterpConfig
 from vllm_interp.default_model import resolve_model
 from vllm_interp.engine.args import check_model_architecture, interp_engine_args
+from vllm_interp.server.auth import API_KEY_ENV
+from vllm_interp.server.plugin import PLUGIN_NAME
+from vllm_interp.steering.files import parse_named_file
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -29,7 +33,14 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     # No model given means the default model (prepared on first use), not vLLM's default.
     parser.set_defaults(model=None, dispatch_function=lambda args: serve(command, args))
     group = parser.add_argument_group("vllm-interp", "Interpretability features (all off by default).")
-    group.add_argument("--enable-steering", action="store_true", help="Install residual steering sites.")
+    group.add_argument("--enable-steering", action="store_true",
+                       help="Residual steering (/v1/steering/*, steering fields on completions).")
+    group.add_argument("--max-steering-configs", type=int, default=DEFAULT_MAX_STEERING_CONFIGS,
+                       help="Distinct per-request steering configs resident at once; more wait for a slot.")
+    group.add_argument("--steering-vectors", action="append", default=[], metavar="NAME=PATH",
+                       help="Register named steering vectors at start-up (.safetensors or .json; repeatable).")
+    group.add_argument("--steering-api-key", action="append", default=[], metavar="KEY",
+                       help=f"Key required by mutating /v1/steering endpoints (repeatable; or ${API_KEY_ENV}).")
     group.add_argument("--enable-patching", action="store_true", help="Install activation patching sites.")
     group.add_argument(
         "--capture-consumers",
@@ -43,8 +54,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
 def serve(command, args: argparse.Namespace) -> None:
     args.model = resolve_model(args.model_tag or args.model)
     args.model_tag = None
+    for flag in args.steering_vectors:
+        parse_named_file(flag)
     config = InterpConfig(
         enable_steering=args.enable_steering,
+        max_steering_configs=args.max_steering_configs,
         enable_patching=args.enable_patching,
         capture_consumers=tuple(args.capture_consumers),
     )
@@ -53,5 +67,16 @@ def serve(command, args: argparse.Namespace) -> None:
     args.worker_cls, args.additional_config = interp_engine_args(
         config, worker_cls=args.worker_cls, additional_config=args.additional_config
     )
+    _allow_endpoint_plugin()
     command.validate(args)
     command.cmd(args)
+
+
+def _allow_endpoint_plugin() -> None:
+    """vLLM loads endpoint plugins only when VLLM_PLUGINS names them, and the same list filters general
+    plugins: keep every general plugin that would load anyway and add ours."""
+    from importlib.metadata import entry_points
+
+    current = os.environ.get("VLLM_PLUGINS")
+    names = current.split(",") if current else [ep.name for ep in entry_points(group="vllm.general_plugins")]
+    os.environ["VLLM_PLUGINS"] = ",".join(dict.fromkeys([*names, "vllm_interp", PLUGIN_NAME]))

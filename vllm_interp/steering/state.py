@@ -1,11 +1,13 @@
 """Frontend side of steering: the global tiers, the named vectors, and turning a request's fields into the
 normalised payload the engine core (prefix-cache keys) and the workers (tables) read.
 
-One instance lives in the process that admits requests (the offline ``LLM`` or the API server); global
-changes are pushed to every worker with ``collective_rpc`` before the call returns.
+One instance lives in the process that admits requests (the offline ``LLM`` or the API server). A global
+change is validated here (``plan_set``/``plan_clear``), pushed to every worker by the caller with
+``collective_rpc("interp_set_global_steering")`` and only then committed, so this state never claims
+vectors the workers do not have.
 """
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from vllm_interp.steering.vectors import (
@@ -25,10 +27,9 @@ RAW_KEY = "steering_request"
 
 
 class SteeringState:
-    def __init__(self, shape: ModelShape, *, enabled: bool, push: Callable[[dict[str, Any]], None]) -> None:
+    def __init__(self, shape: ModelShape, *, enabled: bool) -> None:
         self.shape = shape
         self.enabled = enabled
-        self._push = push
         self.global_vectors = SteeringVectors()
         self.named: dict[str, SteeringVectors] = {}
 
@@ -36,20 +37,20 @@ class SteeringState:
         return validate_steering(tiers, shape=self.shape, enabled=self.enabled, fields=fields)
 
     # -- global --------------------------------------------------------------------------------------
-    def set(self, spec: Mapping[str, Any], *, replace: bool = False) -> SteeringVectors:
-        """``spec`` has ``vectors``, ``prefill_vectors``, ``decode_vectors``; without ``replace`` the given
-        sites overwrite the current ones and the rest stay."""
+    def plan_set(self, spec: Mapping[str, Any], *, replace: bool = False) -> SteeringVectors:
+        """The global vectors after a set: ``spec`` has ``vectors``, ``prefill_vectors``,
+        ``decode_vectors``; without ``replace`` the given sites overwrite the current ones, the rest stay."""
         if not self.enabled:
             raise SteeringError("vectors: steering is not enabled on this engine (--enable-steering)")
         update = self._validate({tier: spec.get(name) for tier, name in GLOBAL_FIELDS.items()}, GLOBAL_FIELDS)
-        self._apply(update if replace else self.global_vectors.merged(update))
-        return self.global_vectors
+        return update if replace else self.global_vectors.merged(update)
 
-    def clear(self) -> None:
-        self._apply(SteeringVectors())
+    def plan_clear(self) -> SteeringVectors:
+        if not self.enabled:
+            raise SteeringError("vectors: steering is not enabled on this engine (--enable-steering)")
+        return SteeringVectors()
 
-    def _apply(self, vectors: SteeringVectors) -> None:
-        self._push(vectors.to_wire())
+    def commit(self, vectors: SteeringVectors) -> None:
         self.global_vectors = vectors
 
     # -- named ---------------------------------------------------------------------------------------

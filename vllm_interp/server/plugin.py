@@ -1,0 +1,42 @@
+"""The ``vllm.endpoint_plugins`` entry point: vllm-interp's HTTP surface on vLLM's OpenAI server.
+
+Paired with the general plugin (``vllm_interp.engine.plugin``), which installs the worker-side RPC methods
+these routes call. ``vllm-interp serve`` allowlists it in ``VLLM_PLUGINS`` (vLLM loads endpoint plugins
+only when named there).
+"""
+
+from argparse import Namespace
+
+from fastapi import FastAPI
+from starlette.datastructures import State
+
+from vllm_interp.config import InterpConfig
+from vllm_interp.server import steering_routes
+from vllm_interp.server.auth import configured_keys
+from vllm_interp.server.request_fields import RequestFieldsMiddleware
+from vllm_interp.steering.files import load_named_file, parse_named_file
+from vllm_interp.steering.state import SteeringState
+from vllm_interp.steering.vectors import ModelShape
+
+PLUGIN_NAME = "vllm_interp_http"
+
+
+class InterpEndpoints:
+    name = PLUGIN_NAME
+    required_tasks = ("generate",)
+
+    def attach_router(self, app: FastAPI) -> None:
+        app.include_router(steering_routes.router)
+        app.add_middleware(RequestFieldsMiddleware)
+
+    async def init_state(self, engine_client, state: State, args: Namespace) -> None:
+        vllm_config = engine_client.vllm_config
+        config = InterpConfig.from_additional_config(vllm_config.additional_config) or InterpConfig()
+        model_config = vllm_config.model_config
+        shape = ModelShape(model_config.get_total_num_hidden_layers(), model_config.get_hidden_size())
+        steering = SteeringState(shape, enabled=config.enable_steering)
+        for flag in getattr(args, "steering_vectors", None) or []:
+            name, path = parse_named_file(flag)
+            steering.register(name, load_named_file(path))
+        state.vllm_interp_steering = steering
+        state.vllm_interp_api_keys = configured_keys(getattr(args, "steering_api_key", None))

@@ -1,0 +1,46 @@
+"""Pydantic models of the vllm-interp HTTP wire formats (bodies of /v1/steering/*)."""
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+
+class SteeringSetRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    vectors: dict[str, Any] | None = None
+    prefill_vectors: dict[str, Any] | None = None
+    decode_vectors: dict[str, Any] | None = None
+    replace: bool = False
+
+
+class SteeringRegisterRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    vectors: dict[str, Any] | None = None
+    prefill_vectors: dict[str, Any] | None = None
+    decode_vectors: dict[str, Any] | None = None
+
+
+class SteeringUnregisterRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+
+
+class SteeringRequestFields(BaseModel):
+    """The top-level fields vllm-interp adds to /v1/completions and /v1/chat/completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    steering_vectors: dict[str, Any] | None = None
+    prefill_steering_vectors: dict[str, Any] | None = None
+    decode_steering_vectors: dict[str, Any] | None = None
+    steering_name: str | None = None
+
+
+def error_body(message: str, param: str | None = None, code: int = 400) -> dict[str, Any]:
+    """The OpenAI error shape vLLM itself answers with."""
+    return {"error": {"message": message, "type": "BadRequestError" if code == 400 else "Unauthorized",
+                      "param": param, "code": code}}

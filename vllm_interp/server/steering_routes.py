@@ -1,0 +1,111 @@
+"""/v1/steering/*: global steering and named vectors over HTTP (the twins of vllm_interp.LLM's methods)."""
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+
+from vllm_interp.hooks import HOOKS
+from vllm_interp.server.auth import require_key
+from vllm_interp.server.protocol import (
+    SteeringRegisterRequest,
+    SteeringSetRequest,
+    SteeringUnregisterRequest,
+    error_body,
+)
+from vllm_interp.server.request_fields import steering_error_response
+from vllm_interp.steering.state import SteeringState
+from vllm_interp.steering.vectors import SteeringError, SteeringVectors
+
+router = APIRouter(prefix="/v1/steering")
+
+
+def _state(request: Request) -> SteeringState:
+    return request.app.state.vllm_interp_steering
+
+
+async def _body(request: Request, model: type[BaseModel]) -> BaseModel:
+    try:
+        return model.model_validate(await request.json())
+    except ValueError as exc:
+        errors = exc.errors() if isinstance(exc, ValidationError) else [{"loc": (), "msg": "body is not JSON"}]
+        param = ".".join(map(str, errors[0]["loc"])) or "body"
+        raise _BadRequest(JSONResponse(error_body(f"{param}: {errors[0]['msg']}", param=param), 400)) from None
+
+
+class _BadRequest(Exception):
+    def __init__(self, response: JSONResponse) -> None:
+        self.response = response
+
+
+async def _mutating(request: Request, model: type[BaseModel] | None, action) -> Any:
+    """Shared shape of every mutating endpoint: key check, body validation, action, errors as 400."""
+    require_key(request, request.app.state.vllm_interp_api_keys)
+    try:
+        body = await _body(request, model) if model is not None else None
+        return await action(body)
+    except _BadRequest as exc:
+        return exc.response
+    except SteeringError as exc:
+        return steering_error_response(exc)
+
+
+async def _push_global(request: Request, vectors: SteeringVectors) -> dict[str, Any]:
+    # collective_rpc shares the queue with execute_model: every worker has the vectors before the next step.
+    await request.app.state.engine_client.collective_rpc("interp_set_global_steering", args=(vectors.to_wire(),))
+    state = _state(request)
+    state.commit(vectors)
+    return state.describe()
+
+
+@router.get("")
+async def get_steering(request: Request) -> dict[str, Any]:
+    return _state(request).describe()
+
+
+@router.get("/layers")
+async def steerable_layers(request: Request) -> dict[str, Any]:
+    state = _state(request)
+    layers = state.shape.num_layers
+    return {"enabled": state.enabled, "num_layers": layers, "layers": list(range(layers)), "hooks": list(HOOKS),
+            "hidden_size": state.shape.hidden_size}
+
+
+@router.post("/set")
+async def set_steering(request: Request) -> Any:
+    async def action(body: SteeringSetRequest):
+        return await _push_global(request, _state(request).plan_set(body.model_dump(), replace=body.replace))
+
+    return await _mutating(request, SteeringSetRequest, action)
+
+
+@router.post("/clear")
+async def clear_steering(request: Request) -> Any:
+    async def action(_body):
+        return await _push_global(request, _state(request).plan_clear())
+
+    return await _mutating(request, None, action)
+
+
+@router.get("/vectors")
+async def list_vectors(request: Request) -> dict[str, Any]:
+    return {"names": sorted(_state(request).named)}
+
+
+@router.post("/vectors/register")
+async def register_vectors(request: Request) -> Any:
+    async def action(body: SteeringRegisterRequest):
+        _state(request).register(body.name, body.model_dump())
+        return {"registered": body.name}
+
+    return await _mutating(request, SteeringRegisterRequest, action)
+
+
+@router.post("/vectors/unregister")
+async def unregister_vectors(request: Request) -> Any:
+    async def action(body: SteeringUnregisterRequest):
+        _state(request).unregister(body.name)
+        return {"unregistered": body.name}
+
+    return await _mutating(request, SteeringUnregisterRequest, action)
