@@ -22,6 +22,9 @@ class Arch:
     # Sets up a capture of post_attn for one layer; returns a function giving [tokens, hidden].
     post_attn: Callable[[torch.nn.Module, list], None]
     model_impl: str = "auto"
+    # torch.compile for one architecture of each hook form (pair layers are compiled on SmolLM2 itself);
+    # the rest run eager to keep the suite's engine start-ups short. Sites are the same code either way.
+    compiled: bool = False
 
 
 def _input_of(child: str):
@@ -59,8 +62,8 @@ ARCHS = [
     Arch("phi3", _config(transformers.Phi3Config, pad_token_id=0), _input_of("post_attention_layernorm")),
     Arch("olmo2", _config(transformers.Olmo2Config, pad_token_id=0), _input_of("mlp")),
     Arch("gpt2", lambda: transformers.GPT2Config(n_embd=128, n_layer=3, n_head=4, n_positions=1024, vocab_size=49152),
-         _input_of("ln_2")),
-    Arch("gpt_neox", _config(transformers.GPTNeoXConfig, use_parallel_residual=True), _neox_parallel),
+         _input_of("ln_2"), compiled=True),
+    Arch("gpt_neox", _config(transformers.GPTNeoXConfig, use_parallel_residual=True), _neox_parallel, compiled=True),
     Arch("mixtral", _config(transformers.MixtralConfig, **_moe), _input_of("post_attention_layernorm")),
     Arch("qwen2_moe", _config(transformers.Qwen2MoeConfig, num_experts=4, num_experts_per_tok=2,
                               moe_intermediate_size=64, shared_expert_intermediate_size=64),
@@ -68,7 +71,7 @@ ARCHS = [
     Arch("qwen3_moe", _config(transformers.Qwen3MoeConfig, head_dim=32, num_experts=4, num_experts_per_tok=2,
                               moe_intermediate_size=64), _input_of("post_attention_layernorm")),
     Arch("transformers_llama", _config(transformers.LlamaConfig), _input_of("post_attention_layernorm"),
-         model_impl="transformers"),
+         model_impl="transformers", compiled=True),
 ]
 
 

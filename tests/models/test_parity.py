@@ -15,7 +15,7 @@ def test_smollm2_parity(smollm2_llm, smollm2_path, prompt_ids, parity_table):
     sequences, readouts = engine_sequences_and_readouts(smollm2_llm, prompt_ids, MAX_TOKENS)
     references = hf_residuals(smollm2_path, sequences, _input_of("post_attention_layernorm"))
     result = compare(readouts, references, num_layers=30)
-    parity_table.append(("smollm2 (llama, real)", result))
+    parity_table.append(("smollm2 (real, compiled)", result))
 
 
 @pytest.mark.parametrize("arch", ARCHS, ids=[a.name for a in ARCHS])
@@ -23,7 +23,7 @@ def test_random_weight_parity(arch, tmp_path_factory, prompt_ids, parity_table):
     from vllm_interp import LLM
 
     path = build_checkpoint(arch, tmp_path_factory.getbasetemp() / "zoo")
-    llm = LLM(str(path), model_impl=arch.model_impl, **ENGINE_KWARGS)
+    llm = LLM(str(path), model_impl=arch.model_impl, enforce_eager=not arch.compiled, **ENGINE_KWARGS)
     try:
         sequences, readouts = engine_sequences_and_readouts(llm, prompt_ids, MAX_TOKENS)
         num_layers = llm.num_layers
@@ -31,4 +31,4 @@ def test_random_weight_parity(arch, tmp_path_factory, prompt_ids, parity_table):
         shutdown(llm)
     references = hf_residuals(path, sequences, arch.post_attn)
     result = compare(readouts, references, num_layers=num_layers)
-    parity_table.append((arch.name, result))
+    parity_table.append((f"{arch.name} ({'compiled' if arch.compiled else 'eager'})", result))

@@ -2,7 +2,7 @@
 
 import subprocess
 
-from tests.server.conftest import VLLM_INTERP
+from tests.conftest import VLLM_INTERP
 
 
 def test_serve_answers_completions_on_the_default_model(server):

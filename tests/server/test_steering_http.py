@@ -9,7 +9,7 @@ import pytest
 import requests
 from openai import OpenAI
 
-from tests.server.conftest import API_KEY, HIDDEN, vector
+from tests.conftest import API_KEY, HIDDEN, vector
 from vllm_interp import pack_vectors
 
 PROMPT = "The capital of France is"
