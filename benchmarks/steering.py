@@ -12,6 +12,7 @@ versus the compact base64 form (serialise, parse, validate).
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -23,18 +24,24 @@ from vllm_interp import LLM, pack_vectors, steered_params
 from vllm_interp.default_model import resolve_model
 from vllm_interp.steering.vectors import ModelShape, validate_steering
 
-ENGINE = dict(dtype="float32", max_model_len=1024, kv_cache_memory_bytes=512 << 20, seed=0)
+# vllm-interp runs on vLLM's V1 model runner; the baseline must too (V2 is the GPU default for dense models).
+os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+ENGINE = dict(max_model_len=1024, kv_cache_memory_bytes=512 << 20, seed=0)
 
 
 def spec_for(seed: int, layers: int, hidden: int) -> dict:
+    """Vectors on every layer at post_block, in the compact form (what per-request senders should use)."""
     rng = np.random.default_rng(seed)
-    return {"post_block": {str(layer): (rng.standard_normal(hidden) * 0.5).tolist() for layer in range(layers)}}
+    return {"post_block": pack_vectors({layer: rng.standard_normal(hidden) * 0.5 for layer in range(layers)})}
 
 
 def timed(llm, prompts, params, repeats: int) -> tuple[float, float]:
     """(generated tokens/s for the batch, seconds per token of a single request), medians."""
     batch, single = [], []
     single_params = params[0] if isinstance(params, list) else params
+    # Untimed first pass: kernel JIT (Triton on GPU) and first-use allocations must not count.
+    llm.generate(prompts, params, use_tqdm=False)
+    llm.generate(prompts[:1], single_params, use_tqdm=False)
     for _ in range(repeats):
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -70,9 +77,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--attention-backend", default=None, help="TRITON_ATTN on the lent GPU")
     args = parser.parse_args()
     model = resolve_model(args.model)
-    engine = dict(ENGINE, enforce_eager=args.enforce_eager)
+    engine = dict(ENGINE, enforce_eager=args.enforce_eager, dtype=args.dtype)
+    if args.attention_backend:
+        engine["attention_backend"] = args.attention_backend
     prompts = [f"Write a short story about a robot named Unit {i} who" for i in range(args.prompts)]
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
 
@@ -98,7 +109,7 @@ def main() -> None:
     llm.shutdown()
 
     print(f"\nmodel {model}, {len(prompts)} prompts x {args.max_tokens} tokens, vectors on all {layers} layers "
-          f"(post_block), enforce_eager={args.enforce_eager}")
+          f"(post_block), dtype {args.dtype}, enforce_eager={args.enforce_eager}")
     print(f"{'scenario':<28}{'tok/s':>10}{'ratio':>8}{'ms/token (1 req)':>18}{'ratio':>8}")
     print(f"{'baseline (steering off)':<28}{baseline[0]:>10.1f}{1.0:>8.3f}{1000 * baseline[1]:>18.2f}{1.0:>8.3f}")
     for name, (tput, latency) in results.items():

@@ -132,8 +132,12 @@ class LLM(vllm.LLM):
             raise ValueError(f"sampling_params: got {len(base)} for {count} prompts")
         params: list[SamplingParams] = []
         keys: list[str | None] = []
+        # One SamplingParams shared by many prompts is validated once.
+        payloads: dict[int, dict[str, Any]] = {}
         for spec, param in zip(specs, base, strict=True):
-            payload = self.steering.request_payload(raw_steering_fields(param))
+            if id(param) not in payloads:
+                payloads[id(param)] = self.steering.request_payload(raw_steering_fields(param))
+            payload = dict(payloads[id(param)])
             key = None
             if spec is not None:
                 spec = validate_readout_spec(spec, num_layers=self.num_layers)

@@ -38,3 +38,28 @@ def test_overflow_is_counted_not_dropped_silently():
     plan = plan_reads(_slices(), lambda req, pos: np.ones(len(pos), bool), capacity=10)
     assert plan.num_rows == 10
     assert plan.overflow == {"a": 6, "b": 1, "c": 5}
+
+
+def test_steering_rows_follow_each_tokens_phase():
+    import torch
+
+    from vllm_interp.models.registry import SiteBank
+    from vllm_interp.steering.tables import FIRST_SLOT_ROW, GLOBAL_ROWS, SteeringTables
+    from vllm_interp.steering.vectors import SteeringVectors
+
+    bank = SiteBank(rows=torch.zeros(1, dtype=torch.long), outs={}, steer_index=torch.zeros(32, dtype=torch.long),
+                    steer_tables={0: torch.zeros(3, 7, 4)})
+    tables = SteeringTables(bank, max_configs=2)
+    vectors = SteeringVectors({"decode": {"0.post_block": np.ones(4, np.float32)}})
+    slot = tables.lookup("b", {"vllm_interp": {"steering": {"vectors": vectors.to_wire(), "digest": "d"}}})
+    # "a" (prompt of 20) has positions 16..31: the tier is decided per position, so its first four tokens
+    # are prefill and the rest decode; "b" is one decode token; "c" a fresh prompt. No global vectors yet:
+    # only "b" is steered.
+    index = tables.plan(_slices(), prompt_lens=[20, 10, 5], slots=[None, slot, None])
+    assert index[:16].tolist() == [0] * 16 and index[17:].tolist() == [0] * 5
+    assert index[16] == FIRST_SLOT_ROW + 1  # b's decode row
+    tables.set_global(SteeringVectors({"prefill": {"0.pre_attn": np.ones(4, np.float32)}}))
+    index = tables.plan(_slices(), prompt_lens=[20, 10, 5], slots=[None, slot, None])
+    assert index[:4].tolist() == [GLOBAL_ROWS["prefill"]] * 4 and index[4:16].tolist() == [0] * 12
+    assert index[17:].tolist() == [GLOBAL_ROWS["prefill"]] * 5
+    assert torch.equal(bank.steer_tables[0][0, FIRST_SLOT_ROW], torch.ones(4))  # b's prefill row has the global

@@ -45,10 +45,8 @@ class InterpRunnerMixin:
         tables.forget_finished(live)
         slots = [tables.lookup(state.req_id, state.sampling_params.extra_args) for state in states]
         index = tables.plan(slices, [state.num_prompt_tokens for state in states], slots)
-        if index is None:
-            return False
         tables.load_index(index)
-        return True
+        return index is not None
 
     def _plan_reads(self, slices, states, live):
         store = self.interp_store

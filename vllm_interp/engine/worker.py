@@ -38,7 +38,8 @@ class InterpWorkerMixin:
             hidden_size=model_config.get_hidden_size(),
             dtype=model_config.dtype,
             device=runner.device,
-            max_rows=config.max_readout_rows,
+            # No read-out: zero read slots, so even a replayed CUDA graph reads nothing.
+            max_rows=config.max_readout_rows if config.enable_readout else 0,
             max_tokens=runner.max_num_tokens,
             steer_rows=steer_rows,
         )

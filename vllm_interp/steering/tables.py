@@ -50,6 +50,7 @@ class SteeringTables:
         self._slots: dict[str, _Slot] = {}
         self._free = list(range(max_configs))
         self._by_req: dict[str, _Slot | None] = {}
+        self._dirty = 0
 
     # -- global state --------------------------------------------------------------------------------
     def set_global(self, vectors: SteeringVectors) -> None:
@@ -90,26 +91,33 @@ class SteeringTables:
                     self._free.append(slot.index)
 
     def plan(self, slices: list[BatchSlice], prompt_lens: list[int], slots: list[_Slot | None]) -> np.ndarray | None:
-        """Table row of every token of the step, or None when no token is steered."""
+        """Table row of every token of the step, or None when no token is steered (vectorised: this runs
+        on the host before every step)."""
         global_rows = {
             phase: row if self.global_vectors.phase_vectors(phase) else 0 for phase, row in GLOBAL_ROWS.items()
         }
         if not any(global_rows.values()) and not any(slots):
             return None
-        total = slices[-1].row_start + slices[-1].num_tokens if slices else 0
-        index = np.zeros(total, dtype=np.int64)
-        for batch_slice, prompt_len, slot in zip(slices, prompt_lens, slots, strict=True):
-            prefill_row, decode_row = (
-                (slot.row("prefill"), slot.row("decode")) if slot else (global_rows["prefill"], global_rows["decode"])
-            )
-            positions = batch_slice.positions
-            index[batch_slice.row_start : batch_slice.row_start + batch_slice.num_tokens] = np.where(
-                positions < prompt_len, prefill_row, decode_row
-            )
-        return index
+        prefill_rows = np.array([s.row("prefill") if s else global_rows["prefill"] for s in slots], dtype=np.int64)
+        decode_rows = np.array([s.row("decode") if s else global_rows["decode"] for s in slots], dtype=np.int64)
+        counts = np.array([b.num_tokens for b in slices])
+        owner = np.repeat(np.arange(len(slices)), counts)
+        first_row = np.array([b.row_start for b in slices])
+        first_position = np.array([b.position_start for b in slices])
+        positions = first_position[owner] + np.arange(owner.shape[0]) - first_row[owner]
+        in_prompt = positions < np.asarray(prompt_lens)[owner]
+        return np.where(in_prompt, prefill_rows[owner], decode_rows[owner])
 
-    def load_index(self, index: np.ndarray) -> None:
-        self.bank.steer_index[: index.shape[0]].copy_(torch.from_numpy(index), non_blocking=True)
+    def load_index(self, index: np.ndarray | None) -> None:
+        """Write the step's token -> row map (None: no token steered). Entries a longer earlier map used go
+        back to row 0: a replayed CUDA graph steers every row it holds, whatever the host-side plan says."""
+        count = 0 if index is None else index.shape[0]
+        target = self.bank.steer_index
+        if count:
+            target[:count].copy_(torch.from_numpy(index), non_blocking=True)
+        if self._dirty > count:
+            target[count : self._dirty].zero_()
+        self._dirty = count
 
     # -- table writes --------------------------------------------------------------------------------
     def _write_slot(self, slot: _Slot) -> None:

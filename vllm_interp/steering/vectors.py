@@ -145,7 +145,25 @@ def _decode_packed(packed: PackedVectors, where: str, shape: ModelShape) -> dict
     return {layer: matrix[i] * np.float32(scales[i]) for i, layer in enumerate(packed.layers)}
 
 
+def _float_list(raw: Any) -> np.ndarray | None:
+    """A JSON list of numbers as float32, or None if it is not one (numpy parses it far faster than
+    pydantic, which then only explains what is wrong)."""
+    if not isinstance(raw, list) or any(isinstance(x, bool | str) for x in raw):
+        return None
+    try:
+        array = np.asarray(raw, dtype=np.float32)
+    except (TypeError, ValueError):
+        return None
+    return array if array.ndim == 1 else None
+
+
 def _entry_vector(raw: Any, where: str) -> np.ndarray:
+    if (array := _float_list(raw)) is not None:
+        return array
+    if isinstance(raw, dict) and set(raw) <= {"vector", "scale"}:
+        array, scale = _float_list(raw.get("vector")), raw.get("scale", 1.0)
+        if array is not None and isinstance(scale, int | float) and not isinstance(scale, bool):
+            return array * np.float32(scale)
     try:
         if isinstance(raw, dict):
             entry = ScaledVector.model_validate(raw)
