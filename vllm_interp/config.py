@@ -10,7 +10,7 @@ from vllm_interp.hooks import HOOKS
 ADDITIONAL_CONFIG_KEY = "vllm_interp"
 # Bumped whenever the installed hook sites (their placement or the ops they call) change, so that vLLM's
 # compile cache, keyed on additional_config, never reuses a graph traced with other hooks.
-SITE_SCHEME = "residual-sites/1:" + ",".join(HOOKS)
+SITE_SCHEME = "residual-sites/2:" + ",".join(HOOKS)
 DEFAULT_MAX_READOUT_ROWS = 512
 DEFAULT_MAX_STEERING_CONFIGS = 8
 
