@@ -2,7 +2,7 @@
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from vllm_interp.hooks import HOOKS
@@ -42,7 +42,6 @@ class InterpConfig:
     max_readout_rows: int = DEFAULT_MAX_READOUT_ROWS
     package_version: str = ""
     site_scheme: str = SITE_SCHEME
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.max_readout_rows < 1:
