@@ -12,9 +12,9 @@ from vllm_interp.compat import check_vllm_version
 from vllm_interp.config import DEFAULT_MAX_READOUT_ROWS, DEFAULT_MAX_STEERING_CONFIGS, InterpConfig
 from vllm_interp.default_model import resolve_model
 from vllm_interp.engine.args import check_model_architecture, interp_engine_args
-from vllm_interp.request_args import EXTRA_ARGS_KEY, with_interp_args
+from vllm_interp.request_args import EXTRA_ARGS_KEY
 from vllm_interp.steering.params import raw_steering_fields
-from vllm_interp.steering.state import RAW_KEY, SteeringState
+from vllm_interp.steering.state import SteeringState
 from vllm_interp.steering.vectors import ModelShape, SteeringVectors
 
 ReadoutArg = ReadoutSpec | dict[str, Any] | Sequence[ReadoutSpec | dict[str, Any] | None] | None
@@ -146,8 +146,9 @@ class LLM(vllm.LLM):
                 key = uuid4().hex
                 payload.update(readout=spec.model_dump(mode="json"), readout_key=key)
             param = param.clone()
-            param.extra_args = with_interp_args(param.extra_args, **payload)
-            param.extra_args[EXTRA_ARGS_KEY].pop(RAW_KEY, None)
+            # The normalised payload replaces whatever the caller put under our key (the raw fields of
+            # steered_params included): nothing unvalidated reaches the engine.
+            param.extra_args = {**(param.extra_args or {}), EXTRA_ARGS_KEY: payload}
             if key is not None:
                 # Rows served from the prefix cache are never computed, so they could not be read.
                 param.skip_reading_prefix_cache = True

@@ -90,3 +90,6 @@ def test_http_fields_on_an_engine_without_steering_get_400_naming_the_field():
     assert response.json()["error"]["param"] == "steering_vectors"
     # Requests without steering fields pass through untouched.
     assert client.post("/v1/completions", json={"prompt": "x"}).json() == {"prompt": "x"}
+    # A client cannot hand the engine a payload that skipped validation.
+    forged = client.post("/v1/completions", json={"prompt": "x", "vllm_xargs": {"vllm_interp": "{}"}})
+    assert forged.status_code == 400 and forged.json()["error"]["param"] == "vllm_xargs.vllm_interp"

@@ -49,6 +49,12 @@ class RequestFieldsMiddleware:
             return body  # not JSON: vLLM answers with its own error
         if not isinstance(data, dict) or steering is None:
             return body
+        xargs = data.get("vllm_xargs")
+        if isinstance(xargs, dict) and EXTRA_ARGS_KEY in xargs:
+            # Only this middleware writes the normalised payload; a client-made one would skip validation.
+            param = f"vllm_xargs.{EXTRA_ARGS_KEY}"
+            return JSONResponse(error_body(f"{param}: reserved for vllm-interp; use its request fields",
+                                           param=param), status_code=400)
         fields = {name: data.pop(name) for name in FIELDS if name in data}
         try:
             SteeringRequestFields.model_validate(fields)

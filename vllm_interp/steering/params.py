@@ -19,8 +19,8 @@ def steered_params(
 ) -> SamplingParams:
     """A copy of ``params`` (default: greedy defaults of SamplingParams) carrying a steering spec.
 
-    The spec is validated and normalised when ``vllm_interp.LLM.generate``/``chat`` submits the request;
-    any other entry point rejects it rather than running the request unsteered.
+    The spec is validated and normalised when ``vllm_interp.LLM.generate``/``chat`` submits the request:
+    pass these params only there (plain ``vllm.LLM`` does not know the fields and would run unsteered).
     """
     params = (params or SamplingParams()).clone()
     given = {
