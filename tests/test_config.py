@@ -44,3 +44,12 @@ def test_unsupported_architecture_lists_the_supported_ones():
     check_architecture(["BertForMaskedLM"], model_impl="transformers")
     with pytest.raises(UnsupportedArchitecture, match="'BertForMaskedLM'.*Supported: .*LlamaForCausalLM"):
         check_architecture(["BertForMaskedLM"])
+
+
+def test_http_payloads_are_parsed_once():
+    from vllm_interp.request_args import interp_args
+
+    extra = {"vllm_interp": '{"steering": {"digest": "d"}}', "other": 1}
+    assert interp_args(extra) == {"steering": {"digest": "d"}}
+    assert extra["vllm_interp"] == {"steering": {"digest": "d"}}  # the parsed form replaced the string
+    assert interp_args(None) == {} and interp_args({"other": 1}) == {}

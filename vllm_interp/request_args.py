@@ -13,7 +13,11 @@ EXTRA_ARGS_KEY = "vllm_interp"
 
 def interp_args(extra_args: dict[str, Any] | None) -> dict[str, Any]:
     value = (extra_args or {}).get(EXTRA_ARGS_KEY) or {}
-    return json.loads(value) if isinstance(value, str) else value
+    if isinstance(value, str):
+        # Parsed once per process: the scheduler and the block hasher ask on every step and block.
+        value = json.loads(value)
+        extra_args[EXTRA_ARGS_KEY] = value
+    return value
 
 
 def with_interp_args(extra_args: dict[str, Any] | None, **fields: Any) -> dict[str, Any]:
