@@ -86,7 +86,8 @@ def test_global_steering_applies_to_all_and_clearing_restores_the_baseline(smoll
     plain = [_tokens_and_logprobs(o) for o in plain_llm.generate(prompts, _greedy(), use_tqdm=False)]
     # The hooked engine's own baseline is plain vLLM's up to compiled-kernel round-off.
     assert [t for t, _ in baseline] == [t for t, _ in plain]
-    assert max(abs(a - b) for (_, x), (_, y) in zip(baseline, plain, strict=True) for a, b in zip(x, y, strict=True)) < 1e-5
+    pairs = zip(baseline, plain, strict=True)
+    assert max(abs(a - b) for (_, x), (_, y) in pairs for a, b in zip(x, y, strict=True)) < 1e-5
     try:
         state = smollm2_llm.set_steering(vectors={"post_attn": {"12": _vector(3)}})
         assert list(state["vectors"]["post_attn"]) == ["12"]
