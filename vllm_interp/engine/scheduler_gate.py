@@ -26,8 +26,13 @@ def steering_digest(request: Any) -> str | None:
 
 
 class SteeringAdmission:
+    _interp_slot_limit: int | None
+
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        limit = _slot_limit(self.vllm_config)
+        # The engine's config is fixed: read the limit once, not on every scheduling pass.
+        if not hasattr(self, "_interp_slot_limit"):
+            self._interp_slot_limit = _slot_limit(self.vllm_config)
+        limit = self._interp_slot_limit
         if limit is None:
             return super().schedule(*args, **kwargs)
         held = self._hold_requests_without_slot(limit)
@@ -42,10 +47,11 @@ class SteeringAdmission:
         live = {d for d in map(steering_digest, self.running) if d is not None}
         held = []
         for queue in (self.skipped_waiting, self.waiting):
-            waiting = [r for r in queue if (d := steering_digest(r)) is not None and d not in live]
             blocked = []
-            for request in waiting:
+            for request in queue:
                 digest = steering_digest(request)
+                if digest is None:
+                    continue
                 if digest in live or len(live) < limit:
                     live.add(digest)
                 else:
