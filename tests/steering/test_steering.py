@@ -30,6 +30,19 @@ def _moved(a, b) -> float:
     return 1.0 if a[0] != b[0] else float(np.max(np.abs(np.asarray(a[1]) - np.asarray(b[1]))))
 
 
+# The frontend submits a batch's requests one by one and the engine-core process may start stepping before
+# the last arrives, so two runs of the same batch can differ in step composition and hence in kernel
+# round-off (seen: 2e-7). Equal tokens and logprobs within this bound is "unchanged"; steering moves them
+# by more than 1e-2.
+ROUND_OFF = 1e-5
+
+
+def _assert_same_output(a, b) -> None:
+    assert a[0] == b[0], "greedy tokens differ"
+    diff = max((abs(x - y) for x, y in zip(a[1], b[1], strict=True)), default=0.0)
+    assert diff < ROUND_OFF, f"logprobs differ by {diff:.2e}"
+
+
 def _tokens_and_logprobs(output):
     completion = output.outputs[0]
     tokens = list(completion.token_ids)
@@ -71,12 +84,12 @@ def test_steered_logprobs_equal_transformers_for_every_tier_and_hook(smollm2_llm
     assert all(moved > 100 * LOGPROB_TOL for *_, moved in report)
 
 
-def test_mixed_batch_leaves_unsteered_requests_bit_identical(smollm2_llm, plain_llm, prompt_ids):
+def test_mixed_batch_leaves_unsteered_requests_unchanged(smollm2_llm, plain_llm, prompt_ids):
     prompts = [{"prompt_token_ids": prompt_ids[0]}, {"prompt_token_ids": prompt_ids[3]}]
     steered = steered_params(_greedy(), steering_vectors={"post_block": {"5": _vector(7)}})
     mixed = smollm2_llm.generate(prompts, [steered, _greedy()], use_tqdm=False)
     baseline = plain_llm.generate(prompts, _greedy(), use_tqdm=False)
-    assert _tokens_and_logprobs(mixed[1]) == _tokens_and_logprobs(baseline[1])
+    _assert_same_output(_tokens_and_logprobs(mixed[1]), _tokens_and_logprobs(baseline[1]))
     assert _moved(_tokens_and_logprobs(mixed[0]), _tokens_and_logprobs(baseline[0])) > 0.01
 
 
@@ -84,10 +97,8 @@ def test_global_steering_applies_to_all_and_clearing_restores_the_baseline(smoll
     prompts = [{"prompt_token_ids": p} for p in prompt_ids[:2]]
     baseline = [_tokens_and_logprobs(o) for o in smollm2_llm.generate(prompts, _greedy(), use_tqdm=False)]
     plain = [_tokens_and_logprobs(o) for o in plain_llm.generate(prompts, _greedy(), use_tqdm=False)]
-    # The hooked engine's own baseline is plain vLLM's up to compiled-kernel round-off.
-    assert [t for t, _ in baseline] == [t for t, _ in plain]
-    pairs = zip(baseline, plain, strict=True)
-    assert max(abs(a - b) for (_, x), (_, y) in pairs for a, b in zip(x, y, strict=True)) < 1e-5
+    for ours, theirs in zip(baseline, plain, strict=True):
+        _assert_same_output(ours, theirs)
     try:
         state = smollm2_llm.set_steering(vectors={"post_attn": {"12": _vector(3)}})
         assert list(state["vectors"]["post_attn"]) == ["12"]
@@ -96,7 +107,8 @@ def test_global_steering_applies_to_all_and_clearing_restores_the_baseline(smoll
     finally:
         smollm2_llm.clear_steering()
     after = [_tokens_and_logprobs(o) for o in smollm2_llm.generate(prompts, _greedy(), use_tqdm=False)]
-    assert after == baseline  # exactly
+    for cleared, before in zip(after, baseline, strict=True):
+        _assert_same_output(cleared, before)
 
 
 def test_named_vectors_steer_like_inline_ones(smollm2_llm, prompt_ids):
