@@ -27,7 +27,7 @@ HIDDEN, LAYERS = 256, 4
 def run(path: Path, prompts: list[list[int]], eager: bool) -> dict[str, list[float]]:
     llm = LLM(str(path), dtype="float32", enforce_eager=eager, attention_backend="TRITON_ATTN",
               skip_tokenizer_init=True, max_model_len=512, gpu_memory_utilization=0.3, enable_steering=True,
-              enable_readout=False, seed=0)
+              capture_consumers=(), seed=0)
     rng = np.random.default_rng(0)
     spec = {"post_block": {str(layer): (rng.standard_normal(HIDDEN) * 2).tolist() for layer in range(LAYERS)}}
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)

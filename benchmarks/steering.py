@@ -1,6 +1,6 @@
 """Steering cost, as ratios against the same build with steering off, measured in one run.
 
-    python benchmarks/steering.py [--model PATH] [--prompts 32] [--max-tokens 32] [--repeats 3]
+    python -m benchmarks.steering [--model PATH] [--prompts 32] [--max-tokens 32] [--repeats 3]
 
 Two engines on the same weights and settings: the baseline (no vllm-interp feature: plain vLLM) and one
 with ``enable_steering``. Scenarios on the second: enabled but idle, global vectors, a named vector, one
@@ -10,23 +10,16 @@ time per generated token of a single request. Also the per-request cost of sendi
 versus the compact base64 form (serialise, parse, validate).
 """
 
-import argparse
 import json
-import os
 import statistics
 import time
 
 import numpy as np
 from vllm import LLM as VllmLLM
-from vllm import SamplingParams
 
+from benchmarks.common import engine_parser, engine_setup
 from vllm_interp import LLM, pack_vectors, steered_params
-from vllm_interp.default_model import resolve_model
 from vllm_interp.steering.vectors import ModelShape, validate_steering
-
-# vllm-interp runs on vLLM's V1 model runner; the baseline must too (V2 is the GPU default for dense models).
-os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
-ENGINE = dict(max_model_len=1024, kv_cache_memory_bytes=512 << 20, seed=0)
 
 
 def spec_for(seed: int, layers: int, hidden: int) -> dict:
@@ -71,27 +64,15 @@ def wire_cost(layers: int, hidden: int, repeats: int = 20) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--prompts", type=int, default=32)
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--attention-backend", default=None, help="TRITON_ATTN on the lent GPU")
+    parser = engine_parser(__doc__)
     args = parser.parse_args()
-    model = resolve_model(args.model)
-    engine = dict(ENGINE, enforce_eager=args.enforce_eager, dtype=args.dtype)
-    if args.attention_backend:
-        engine["attention_backend"] = args.attention_backend
-    prompts = [f"Write a short story about a robot named Unit {i} who" for i in range(args.prompts)]
-    greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    model, engine, prompts, greedy = engine_setup(args)
 
     baseline_llm = VllmLLM(model, **engine)
     baseline = timed(baseline_llm, prompts, greedy, args.repeats)
     baseline_llm.llm_engine.engine_core.shutdown()
 
-    llm = LLM(model, enable_steering=True, enable_readout=False, max_steering_configs=32, **engine)
+    llm = LLM(model, enable_steering=True, capture_consumers=(), max_steering_configs=32, **engine)
     layers, hidden = llm.num_layers, llm.llm_engine.model_config.get_hidden_size()
     shared = spec_for(0, layers, hidden)
     results = {"enabled, idle": timed(llm, prompts, greedy, args.repeats)}

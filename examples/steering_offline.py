@@ -19,7 +19,7 @@ PROMPT = "My opinion of the new restaurant is that"
 
 
 def contrastive_direction(llm: LLM) -> np.ndarray:
-    readout = {"layers": [LAYER], "hooks": [HOOK], "positions": "last_prompt"}
+    readout = {"hooks": {HOOK: [LAYER]}, "positions": "last_prompt"}
     params = SamplingParams(max_tokens=1)
     pos = [o.residuals[LAYER, HOOK][0] for o in llm.generate(POSITIVE, params, readout=readout, use_tqdm=False)]
     neg = [o.residuals[LAYER, HOOK][0] for o in llm.generate(NEGATIVE, params, readout=readout, use_tqdm=False)]

@@ -1,9 +1,11 @@
 import gc
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -54,13 +56,27 @@ def prompt_ids(smollm2_tokenizer) -> list[list[int]]:
     return [smollm2_tokenizer(p).input_ids for p in PROMPTS]
 
 
+# A fixed root (emptied per session) rather than a fresh temporary one: consumer options are part of the
+# engine config that keys vLLM's compile cache, so a new path each run would recompile the model.
+CAPTURE_ROOT = Path(tempfile.gettempdir()) / "vllm-interp-tests" / "captures"
+
+
 @pytest.fixture(scope="session")
-def smollm2_llm(smollm2_path):
-    """The shared SmolLM2 engine: fp32, torch.compile on, chunked prefill forced small, read-out and
-    steering enabled. Tests that set global steering clear it before they return."""
+def capture_root() -> Path:
+    shutil.rmtree(CAPTURE_ROOT, ignore_errors=True)
+    CAPTURE_ROOT.mkdir(parents=True)
+    return CAPTURE_ROOT
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm(smollm2_path, capture_root):
+    """The shared SmolLM2 engine: fp32, torch.compile on, chunked prefill forced small, steering and the
+    built-in capture consumers enabled. Tests that set global steering clear it before they return."""
     from vllm_interp import LLM
 
-    llm = LLM(str(smollm2_path), enable_steering=True, max_steering_configs=4, **ENGINE_KWARGS)
+    consumers = ("inline", f"filesystem:root={capture_root}", "logging:max_positions=4")
+    llm = LLM(str(smollm2_path), enable_steering=True, max_steering_configs=4, capture_consumers=consumers,
+              **ENGINE_KWARGS)
     yield llm
     shutdown(llm)
 
@@ -105,18 +121,43 @@ def vector(seed: int, norm: float = 8.0) -> list[float]:
     return (v / np.linalg.norm(v) * norm).tolist()
 
 
+EXAMPLE_CONSUMER = Path(__file__).parent.parent / "examples" / "capture_consumers" / "activation_stats"
+# The server captures post_block of layer 3 at the last prompt token of every request into this consumer.
+GLOBAL_CAPTURE = {"activation_stats": {"hooks": {"post_block": [3]}, "positions": "last_prompt"}}
+
+
+def install_example_consumer(target: Path) -> Path:
+    """pip-install the third-party example consumer into ``target`` (a PYTHONPATH entry), as a user would."""
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target",
+                    str(target), str(EXAMPLE_CONSUMER)], check=True)
+    shutil.rmtree(EXAMPLE_CONSUMER / "build", ignore_errors=True)
+    return target
+
+
 @pytest.fixture(scope="session")
-def server(smollm2_path, tmp_path_factory):
+def server_dirs(tmp_path_factory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("server")
+    return {"plugins": install_example_consumer(base / "plugins"), "captures": base / "captures",
+            "stats": base / "stats.jsonl", "vectors": base / "formal.json"}
+
+
+@pytest.fixture(scope="session")
+def server(smollm2_path, server_dirs):
     port = _free_port()
-    named = tmp_path_factory.mktemp("vectors") / "formal.json"
-    named.write_text(json.dumps({"vectors": {"post_block": {"6": vector(42)}}}))
+    server_dirs["vectors"].write_text(json.dumps({"vectors": {"post_block": {"6": vector(42)}}}))
     # --enforce-eager: the compiled path is covered by the offline engines; this test is about the CLI.
     command = [
         VLLM_INTERP, "serve", "--enable-steering", "--dtype", "float32", "--enforce-eager", "--port", str(port),
         "--max-model-len", "512", "--kv-cache-memory-bytes", str(128 << 20), "--seed", "0",
-        "--steering-api-key", API_KEY, "--steering-vectors", f"formal={named}", "--max-steering-configs", "2",
+        "--steering-api-key", API_KEY, "--steering-vectors", f"formal={server_dirs['vectors']}",
+        "--max-steering-configs", "2",
+        "--capture-consumers", "inline", "--capture-consumers", f"filesystem:root={server_dirs['captures']}",
+        "--capture-consumers", f"activation_stats:path={server_dirs['stats']}",
+        "--capture-global", json.dumps(GLOBAL_CAPTURE),
     ]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(server_dirs["plugins"]),
+                                                                     os.environ.get("PYTHONPATH")]))}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 600
     try:

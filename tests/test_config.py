@@ -14,10 +14,11 @@ def test_config_round_trips_through_additional_config():
 
 
 def test_hash_changes_with_anything_that_shapes_the_graph():
-    base = InterpConfig(enable_readout=True)
-    assert base.compute_hash() == InterpConfig(enable_readout=True).compute_hash()
-    assert base.compute_hash() != InterpConfig(enable_readout=True, max_readout_rows=64).compute_hash()
-    assert base.compute_hash() != InterpConfig(enable_readout=True, package_version="9.9").compute_hash()
+    inline = ("inline",)
+    base = InterpConfig(capture_consumers=inline)
+    assert base.compute_hash() == InterpConfig(capture_consumers=inline).compute_hash()
+    assert base.compute_hash() != InterpConfig(capture_consumers=inline, max_capture_rows=64).compute_hash()
+    assert base.compute_hash() != InterpConfig(capture_consumers=inline, package_version="9.9").compute_hash()
 
 
 def test_no_feature_means_no_hooks():

@@ -22,4 +22,4 @@ def test_readout_needs_the_feature(smollm2_path):
     # With every feature off the engine is plain vLLM: no worker class, no additional_config entry.
     assert interp_engine_args(InterpConfig(), worker_cls="auto", additional_config=None) == ("auto", None)
     with pytest.raises(ValueError, match="own worker class"):
-        interp_engine_args(InterpConfig(enable_readout=True), worker_cls="my.Worker", additional_config=None)
+        interp_engine_args(InterpConfig(capture_consumers=("inline",)), worker_cls="my.Worker", additional_config=None)

@@ -5,7 +5,8 @@ from vllm_interp.hooks import HOOKS, site_name
 __version__ = "0.1.0"
 
 __all__ = [
-    "HOOKS", "LLM", "ReadoutSpec", "ResidualReadout", "__version__", "pack_vectors", "site_name", "steered_params",
+    "HOOKS", "LLM", "CaptureConsumer", "ResidualReadout", "__version__", "pack_vectors", "site_name",
+    "steered_params",
 ]
 
 
@@ -23,8 +24,12 @@ def __getattr__(name: str):
         from vllm_interp.steering.vectors import pack_vectors
 
         return pack_vectors
-    if name in ("ReadoutSpec", "ResidualReadout"):
-        from vllm_interp.capture import readout
+    if name == "ResidualReadout":
+        from vllm_interp.capture.consumers.inline import ResidualReadout
 
-        return getattr(readout, name)
+        return ResidualReadout
+    if name == "CaptureConsumer":
+        from vllm_interp.capture.consumer import CaptureConsumer
+
+        return CaptureConsumer
     raise AttributeError(name)

@@ -11,7 +11,9 @@ ADDITIONAL_CONFIG_KEY = "vllm_interp"
 # Bumped whenever the installed hook sites (their placement or the ops they call) change, so that vLLM's
 # compile cache, keyed on additional_config, never reuses a graph traced with other hooks.
 SITE_SCHEME = "residual-sites/2:" + ",".join(HOOKS)
-DEFAULT_MAX_READOUT_ROWS = 512
+DEFAULT_MAX_CAPTURE_ROWS = 512
+# The capture overload policies (vllm_interp.capture.dispatch); kept here so the config has no torch import.
+OVERLOAD_POLICIES = ("block", "drop", "spill")
 DEFAULT_MAX_STEERING_CONFIGS = 8
 
 
@@ -35,29 +37,45 @@ class InterpConfig:
     # Distinct per-request steering configs resident at once (each owns two rows of every layer's table).
     max_steering_configs: int = DEFAULT_MAX_STEERING_CONFIGS
     enable_patching: bool = False
+    # `--capture-consumers` flags: "name[:key=val,...]".
     capture_consumers: tuple[str, ...] = ()
-    # Return residual rows to the offline caller (vllm_interp.LLM(..., enable_readout=True)).
-    enable_readout: bool = False
-    # Rows one forward step may read; sizes the per-layer read buffers (3 x rows x hidden each).
-    max_readout_rows: int = DEFAULT_MAX_READOUT_ROWS
+    # A capture spec (JSON) applied to every request, besides the request's own.
+    capture_global: str = ""
+    capture_overload_policy: str = "block"
+    # Rows one forward step may capture; sizes the per-layer capture buffers (3 x rows x hidden each).
+    max_capture_rows: int = DEFAULT_MAX_CAPTURE_ROWS
     package_version: str = ""
     site_scheme: str = SITE_SCHEME
 
     def __post_init__(self) -> None:
-        if self.max_readout_rows < 1:
-            raise ValueError(f"max_readout_rows must be >= 1, got {self.max_readout_rows}")
+        if self.max_capture_rows < 1:
+            raise ValueError(f"max_capture_rows must be >= 1, got {self.max_capture_rows}")
         if self.max_steering_configs < 1:
             raise ValueError(f"max_steering_configs must be >= 1, got {self.max_steering_configs}")
+        if self.capture_overload_policy not in OVERLOAD_POLICIES:
+            raise ValueError(f"capture_overload_policy must be one of {', '.join(OVERLOAD_POLICIES)}, "
+                             f"got {self.capture_overload_policy!r}")
         for spec in self.capture_consumers:
             parse_consumer_spec(spec)
+        if self.capture_global:
+            if not self.capture_consumers:
+                raise ValueError("capture_global needs capture consumers (--capture-consumers)")
+            try:
+                json.loads(self.capture_global)
+            except ValueError as exc:
+                raise ValueError(f"capture_global: not valid JSON ({exc})") from None
         if not self.package_version:
             from vllm_interp import __version__
 
             object.__setattr__(self, "package_version", __version__)
 
     @property
+    def consumer_names(self) -> list[str]:
+        return [parse_consumer_spec(spec)[0] for spec in self.capture_consumers]
+
+    @property
     def hooks_needed(self) -> bool:
-        return self.enable_steering or self.enable_patching or bool(self.capture_consumers) or self.enable_readout
+        return self.enable_steering or self.enable_patching or bool(self.capture_consumers)
 
     def compute_hash(self) -> str:
         """Digest of everything that shapes the traced forward (vLLM also hashes additional_config)."""

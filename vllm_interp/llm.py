@@ -1,5 +1,7 @@
 """``vllm_interp.LLM``: vLLM's offline ``LLM`` plus the interpretability options."""
 
+import json
+import time
 from collections.abc import Sequence
 from typing import Any
 from uuid import uuid4
@@ -7,9 +9,12 @@ from uuid import uuid4
 import vllm
 from vllm import RequestOutput, SamplingParams
 
-from vllm_interp.capture.readout import ReadoutSpec, ResidualReadout, merge_wire, validate_readout_spec
+from vllm_interp.capture.consumers.inline import ResidualReadout
+from vllm_interp.capture.plugins import consumer_class
+from vllm_interp.capture.results import ConsumerResult, ResultCollector
+from vllm_interp.capture.spec import CaptureSpec, spec_to_wire, validate_capture_spec
 from vllm_interp.compat import check_vllm_version
-from vllm_interp.config import DEFAULT_MAX_READOUT_ROWS, DEFAULT_MAX_STEERING_CONFIGS, InterpConfig
+from vllm_interp.config import DEFAULT_MAX_CAPTURE_ROWS, DEFAULT_MAX_STEERING_CONFIGS, InterpConfig
 from vllm_interp.default_model import resolve_model
 from vllm_interp.engine.args import check_model_architecture, interp_engine_args
 from vllm_interp.request_args import EXTRA_ARGS_KEY
@@ -17,28 +22,37 @@ from vllm_interp.steering.params import raw_steering_fields
 from vllm_interp.steering.state import SteeringState
 from vllm_interp.steering.vectors import ModelShape, SteeringVectors
 
-ReadoutArg = ReadoutSpec | dict[str, Any] | Sequence[ReadoutSpec | dict[str, Any] | None] | None
+SpecArg = dict[str, Any] | Sequence[dict[str, Any] | None] | None
+# How long generate() waits for consumers to finish a batch's requests before reporting them as errors.
+RESULTS_TIMEOUT_S = 600.0
+
+
+class CaptureError(RuntimeError):
+    """``readout=`` could not return every requested row (the inline consumer's status was not ok)."""
 
 
 class LLM(vllm.LLM):
     """vLLM's ``LLM`` with hook sites in the forward pass.
 
-    ``model`` defaults to SmolLM2-135M-Instruct (built on first use). ``enable_readout`` (default on)
-    lets ``generate``/``chat`` return residual rows: pass ``readout=`` and read ``output.residuals``.
-    The other flags are the steering, patching and capture subsystems; with any of them on, an
-    architecture vllm-interp cannot hook is refused before the engine starts.
+    ``model`` defaults to SmolLM2-135M-Instruct (built on first use). ``capture_consumers`` enables capture
+    consumers (``"name:key=val,..."``; default: ``inline``, which returns rows to the caller); pass
+    ``capture=`` to ``generate``/``chat`` and read ``output.capture`` (per consumer results) and, for the
+    inline consumer, ``output.residuals``. ``readout=spec`` is short for ``capture={"inline": spec}`` that
+    raises unless every row came back. The other flags are the steering and patching subsystems; with any
+    feature on, an architecture vllm-interp cannot hook is refused before the engine starts.
     """
 
     def __init__(
         self,
         model: str | None = None,
         *,
-        enable_readout: bool = True,
-        max_readout_rows: int = DEFAULT_MAX_READOUT_ROWS,
+        capture_consumers: Sequence[str] = ("inline",),
+        capture_global: dict[str, Any] | None = None,
+        capture_overload_policy: str = "block",
+        max_capture_rows: int = DEFAULT_MAX_CAPTURE_ROWS,
         enable_steering: bool = False,
         max_steering_configs: int = DEFAULT_MAX_STEERING_CONFIGS,
         enable_patching: bool = False,
-        capture_consumers: Sequence[str] = (),
         **kwargs: Any,
     ) -> None:
         check_vllm_version()
@@ -48,8 +62,9 @@ class LLM(vllm.LLM):
             max_steering_configs=max_steering_configs,
             enable_patching=enable_patching,
             capture_consumers=tuple(capture_consumers),
-            enable_readout=enable_readout,
-            max_readout_rows=max_readout_rows,
+            capture_global=json.dumps(capture_global) if capture_global else "",
+            capture_overload_policy=capture_overload_policy,
+            max_capture_rows=max_capture_rows,
         )
         if self.interp_config.hooks_needed:
             check_model_architecture(
@@ -67,17 +82,26 @@ class LLM(vllm.LLM):
         self.num_layers = model_config.get_total_num_hidden_layers()
         self.steering = SteeringState(ModelShape(self.num_layers, model_config.get_hidden_size()),
                                       enabled=enable_steering)
+        self._consumers = {name: consumer_class(name) for name in self.interp_config.consumer_names}
 
-    def generate(self, prompts: Any, sampling_params: Any = None, *, readout: ReadoutArg = None, **kwargs: Any):
-        """vLLM's ``generate``; ``readout=`` returns residual rows on ``output.residuals``, and sampling
-        params built with ``vllm_interp.steered_params`` are steered."""
-        params, keys = self._prepare(_count_prompts(prompts), sampling_params, readout)
-        return self._attach_readouts(super().generate(prompts, params, **kwargs), keys)
+    def generate(self, prompts: Any, sampling_params: Any = None, *, capture: SpecArg = None,
+                 readout: SpecArg = None, **kwargs: Any):
+        """vLLM's ``generate``; ``capture=`` sends residual rows to consumers (``output.capture``),
+        ``readout=`` returns them (``output.residuals``), and sampling params built with
+        ``vllm_interp.steered_params`` are steered."""
+        count = _count_prompts(prompts)
+        captures = self._capture_specs(count, capture, readout)
+        params, keys = self._prepare(count, sampling_params, captures)
+        outputs = super().generate(prompts, params, **kwargs)
+        return self._attach_results(outputs, keys, captures, strict=readout is not None)
 
-    def chat(self, messages: Any, sampling_params: Any = None, *, readout: ReadoutArg = None, **kwargs: Any):
+    def chat(self, messages: Any, sampling_params: Any = None, *, capture: SpecArg = None,
+             readout: SpecArg = None, **kwargs: Any):
         count = 1 if messages and isinstance(messages[0], dict) else len(messages)
-        params, keys = self._prepare(count, sampling_params, readout)
-        return self._attach_readouts(super().chat(messages, params, **kwargs), keys)
+        captures = self._capture_specs(count, capture, readout)
+        params, keys = self._prepare(count, sampling_params, captures)
+        outputs = super().chat(messages, params, **kwargs)
+        return self._attach_results(outputs, keys, captures, strict=readout is not None)
 
     # -- steering (the offline twins of /v1/steering/*) ------------------------------------------------
     def set_steering(self, vectors: Any = None, prefill_vectors: Any = None, decode_vectors: Any = None,
@@ -118,13 +142,30 @@ class LLM(vllm.LLM):
         """The installed sites on each worker (layers held, hooks, read buffer rows)."""
         return self.collective_rpc("interp_describe_sites")
 
-    def _prepare(self, count: int, sampling_params: Any, readout: ReadoutArg) -> tuple[Any, list[str | None]]:
-        """Per-prompt SamplingParams with the vllm-interp payload in ``extra_args``; read-out keys."""
-        if readout is not None and not self.interp_config.enable_readout:
-            raise ValueError("readout= needs an engine built with enable_readout=True")
-        specs = list(readout) if isinstance(readout, Sequence) else [readout] * count
+    def _capture_specs(self, count: int, capture: SpecArg, readout: SpecArg) -> list[CaptureSpec | None]:
+        """One validated capture spec (or None) per prompt."""
+        if capture is not None and readout is not None:
+            raise ValueError("pass capture= or readout=, not both (readout=spec is capture={'inline': spec})")
+        if readout is not None:
+            if "inline" not in self._consumers:
+                raise ValueError("readout= needs the inline capture consumer (capture_consumers=('inline', ...))")
+            per_prompt = readout if isinstance(readout, Sequence) else [readout] * count
+            capture = [None if r is None else {"inline": r} for r in per_prompt]
+        if capture is None:
+            return [None] * count
+        specs = list(capture) if isinstance(capture, Sequence) else [capture] * count
         if len(specs) != count:
-            raise ValueError(f"readout: got {len(specs)} specs for {count} prompts")
+            raise ValueError(f"capture: got {len(specs)} specs for {count} prompts")
+        # The same spec object for every prompt is validated once.
+        validated: dict[int, CaptureSpec] = {}
+        for spec in specs:
+            if spec is not None and id(spec) not in validated:
+                validated[id(spec)] = validate_capture_spec(spec, num_layers=self.num_layers, consumers=self._consumers)
+        return [None if spec is None else validated[id(spec)] for spec in specs]
+
+    def _prepare(self, count: int, sampling_params: Any,
+                 captures: list[CaptureSpec | None]) -> tuple[list[SamplingParams], list[str | None]]:
+        """Per-prompt SamplingParams with the vllm-interp payload in ``extra_args``; capture keys."""
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         base = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params] * count
@@ -134,41 +175,55 @@ class LLM(vllm.LLM):
         keys: list[str | None] = []
         # One SamplingParams shared by many prompts is validated once.
         payloads: dict[int, dict[str, Any]] = {}
-        for spec, param in zip(specs, base, strict=True):
+        for spec, param in zip(captures, base, strict=True):
             if id(param) not in payloads:
                 payloads[id(param)] = self.steering.request_payload(raw_steering_fields(param))
             payload = dict(payloads[id(param)])
             key = None
             if spec is not None:
-                spec = validate_readout_spec(spec, num_layers=self.num_layers)
                 if param.n > 1:
-                    raise ValueError("readout: SamplingParams.n > 1 is not supported; submit the prompt n times")
+                    raise ValueError("capture: SamplingParams.n > 1 is not supported; submit the prompt n times")
                 key = uuid4().hex
-                payload.update(readout=spec.model_dump(mode="json"), readout_key=key)
+                payload.update(capture=spec_to_wire(spec), capture_key=key)
             param = param.clone()
             # The normalised payload replaces whatever the caller put under our key (the raw fields of
             # steered_params included): nothing unvalidated reaches the engine.
             param.extra_args = {**(param.extra_args or {}), EXTRA_ARGS_KEY: payload}
-            if key is not None:
-                # Rows served from the prefix cache are never computed, so they could not be read.
-                param.skip_reading_prefix_cache = True
             params.append(param)
             keys.append(key)
         return params, keys
 
-    def _attach_readouts(self, outputs: list[RequestOutput], keys: list[str | None]) -> list[RequestOutput]:
-        wanted = [key for key in keys if key is not None]
-        if not wanted:
+    def _attach_results(self, outputs: list[RequestOutput], keys: list[str | None],
+                        captures: list[CaptureSpec | None], *, strict: bool) -> list[RequestOutput]:
+        lengths = {
+            key: len(output.prompt_token_ids) + len(output.outputs[0].token_ids)
+            for output, key in zip(outputs, keys, strict=True) if key is not None
+        }
+        if not lengths:
             return outputs
-        per_rank = self.collective_rpc("interp_take_readouts", args=(wanted,))
+        requested = {key: list(spec) for key, spec in zip(keys, captures, strict=True) if key is not None}
+        results = self.capture_results(lengths, requested)
         for output, key in zip(outputs, keys, strict=True):
             if key is None:
                 continue
-            parts = [rank[key] for rank in per_rank if key in rank]
-            if not parts:
-                raise RuntimeError(f"request {output.request_id}: no worker holds its read-out")
-            output.residuals = ResidualReadout.from_wire(merge_wire(parts))
+            output.capture = results[key]
+            inline = output.capture.get("inline")
+            if inline is not None and inline.result is not None:
+                output.residuals = ResidualReadout.from_result(inline.result)
+            if strict and (inline is None or inline.status != "ok"):
+                message = inline.message if inline is not None else "no result"
+                raise CaptureError(f"request {output.request_id}: readout failed: {message}")
         return outputs
+
+    def capture_results(self, lengths: dict[str, int], requested: dict[str, list[str]],
+                        timeout_s: float = RESULTS_TIMEOUT_S) -> dict[str, dict[str, ConsumerResult]]:
+        """Each requested consumer's result for the requests with these capture keys (key -> final sequence
+        length), merged over pipeline stages. Polls, so that a slow consumer never holds the engine."""
+        collector = ResultCollector(lengths, requested)
+        deadline = time.monotonic() + timeout_s
+        while collector.pending and time.monotonic() < deadline:
+            collector.add(self.collective_rpc("interp_capture_results", args=(collector.pending, 0.2)))
+        return collector.merged({name: cls.merge_results for name, cls in self._consumers.items()})
 
 
 def _count_prompts(prompts: Any) -> int:

@@ -37,7 +37,7 @@ def test_preempted_requests_keep_their_tiers_and_rows(cramped_llm, prompt_ids):
         greedy,
     ]
     prompts = [{"prompt_token_ids": p} for p in prompt_ids]
-    readout = {"layers": [5], "hooks": ["post_block"], "positions": "all"}
+    readout = {"hooks": {"post_block": [5]}, "positions": "all"}
     before = _preemptions(cramped_llm)
     together = cramped_llm.generate(prompts, params, readout=readout, use_tqdm=False)
     assert _preemptions(cramped_llm) > before, "the KV cache was large enough: nothing was preempted"

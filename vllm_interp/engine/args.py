@@ -3,12 +3,12 @@
 import os
 from typing import Any
 
-from vllm_interp.config import InterpConfig, parse_consumer_spec
+from vllm_interp.capture.plugins import configure_consumers
+from vllm_interp.config import InterpConfig
 from vllm_interp.models.registry import check_architecture
 
 CPU_WORKER = "vllm_interp.engine.cpu_worker.InterpCPUWorker"
 GPU_WORKER = "vllm_interp.engine.worker.InterpGPUWorker"
-CAPTURE_CONSUMER_GROUP = "vllm_interp.capture_consumers"
 
 
 def platform_worker_cls() -> str:
@@ -25,20 +25,6 @@ def check_model_architecture(model: str, *, model_impl: str = "auto", trust_remo
     check_architecture(list(getattr(hf_config, "architectures", None) or [type(hf_config).__name__]), model_impl)
 
 
-def check_capture_consumers(config: InterpConfig) -> None:
-    """Every ``--capture-consumers`` name must be an installed consumer plugin."""
-    from importlib.metadata import entry_points
-
-    installed = sorted(ep.name for ep in entry_points(group=CAPTURE_CONSUMER_GROUP))
-    for spec in config.capture_consumers:
-        name, _ = parse_consumer_spec(spec)
-        if name not in installed:
-            raise ValueError(
-                f"--capture-consumers: unknown consumer {name!r}; installed ({CAPTURE_CONSUMER_GROUP}): "
-                f"{', '.join(installed) or 'none'}"
-            )
-
-
 def interp_engine_args(
     config: InterpConfig, *, worker_cls: str, additional_config: dict[str, Any] | None
 ) -> tuple[str, dict[str, Any] | None]:
@@ -50,7 +36,8 @@ def interp_engine_args(
     """
     if not config.hooks_needed:
         return worker_cls, additional_config
-    check_capture_consumers(config)
+    # Unknown consumers and bad options fail here, before an engine starts.
+    configure_consumers(config.capture_consumers)
     if worker_cls not in ("auto", CPU_WORKER, GPU_WORKER):
         raise ValueError(f"vllm-interp needs its own worker class; got worker_cls={worker_cls!r}")
     # The sites hook V1 GPUModelRunner._model_forward; vLLM would otherwise pick V2 for dense GPU models.

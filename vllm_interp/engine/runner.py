@@ -1,41 +1,71 @@
-"""The model-runner mixin: plans each step's rows before the forward and collects reads after it.
+"""The model-runner mixin: plans each step's steering and capture rows, and collects captured rows.
 
 Installed by the worker as a class swap on vLLM's V1 ``GPUModelRunner`` (which ``CPUModelRunner``
-subclasses); mixins cannot rely on ``__init__``, so the worker attaches the read-out store and the steering
-tables after the swap.
+subclasses); mixins cannot rely on ``__init__``, so the worker attaches the capture store and the steering
+tables after the swap. Overridden ``GPUModelRunner`` methods (vLLM 0.26), in the order a step calls them:
+
+- ``_update_states``: the scheduler's finished requests, whose captures are handed to consumers;
+- ``_prepare_inputs``: lays out the batch (``query_start_loc``, ``num_computed_tokens``); the step is
+  planned right after it;
+- ``_determine_batch_execution_and_padding``: a step that captures rows runs without CUDA graphs (captured
+  graphs never read), so traffic that does not capture keeps the graph path;
+- ``_model_forward``: called once per real step (never for dummy or profile runs).
 """
 
+from dataclasses import dataclass
 from functools import cache
 
-from vllm_interp.capture.readout_store import ReadoutStore
-from vllm_interp.engine.row_plan import batch_slices, plan_reads
+from vllm_interp.capture.store import CaptureStore
+from vllm_interp.engine.row_plan import ReadPlan, batch_slices, plan_reads
 from vllm_interp.models.site_ops import STEP
 from vllm_interp.steering.tables import SteeringTables
 
 
-class InterpRunnerMixin:
-    interp_store: ReadoutStore
-    interp_steering: SteeringTables | None
+@dataclass(frozen=True)
+class _StepPlan:
+    steer: bool
+    reads: ReadPlan
 
-    def _model_forward(self, *args, **kwargs):
-        # V1 GPUModelRunner._model_forward: called once per real step (never for dummy/profile runs),
-        # after _prepare_inputs has laid out the batch (query_start_loc, num_computed_tokens).
+
+class InterpRunnerMixin:
+    interp_store: CaptureStore
+    interp_steering: SteeringTables | None
+    _interp_step: _StepPlan | None = None
+
+    def _update_states(self, scheduler_output, *args, **kwargs):
+        result = super()._update_states(scheduler_output, *args, **kwargs)
+        self.interp_store.finish(scheduler_output.finished_req_ids)
+        return result
+
+    def _prepare_inputs(self, *args, **kwargs):
+        result = super()._prepare_inputs(*args, **kwargs)
         num_reqs = self.input_batch.num_reqs
         req_ids = self.input_batch.req_ids[:num_reqs]
         slices = batch_slices(
             req_ids, self.query_start_loc.np[: num_reqs + 1], self.input_batch.num_computed_tokens_cpu[:num_reqs]
         )
         states = [self.requests[req_id] for req_id in req_ids]
-        live = set(req_ids)
-        STEP.steer = self._plan_steering(slices, states, live)
-        read_plan = self._plan_reads(slices, states, live)
-        STEP.read_rows = read_plan.num_rows
+        steer = self._plan_steering(slices, states, set(req_ids))
+        self._interp_step = _StepPlan(steer, self._plan_reads(slices, states))
+        return result
+
+    def _determine_batch_execution_and_padding(self, *args, **kwargs):
+        step = self._interp_step
+        if step is not None and step.reads.num_rows:
+            kwargs["force_eager"] = True
+        return super()._determine_batch_execution_and_padding(*args, **kwargs)
+
+    def _model_forward(self, *args, **kwargs):
+        step, self._interp_step = self._interp_step, None
+        if step is None:
+            return super()._model_forward(*args, **kwargs)
+        STEP.steer, STEP.read_rows = step.steer, step.reads.num_rows
         try:
             output = super()._model_forward(*args, **kwargs)
         finally:
             STEP.read_rows, STEP.steer = 0, False
-        if read_plan.reads or read_plan.overflow:
-            self.interp_store.collect(read_plan)
+        if step.reads.reads or step.reads.overflow:
+            self.interp_store.collect(step.reads)
         return output
 
     def _plan_steering(self, slices, states, live) -> bool:
@@ -48,9 +78,8 @@ class InterpRunnerMixin:
         tables.load_index(index)
         return index is not None
 
-    def _plan_reads(self, slices, states, live):
+    def _plan_reads(self, slices, states) -> ReadPlan:
         store = self.interp_store
-        store.forget_finished(live)
         by_id = {state.req_id: state for state in states}
 
         def selector(req_id, positions):
@@ -58,8 +87,9 @@ class InterpRunnerMixin:
             entry = store.lookup(req_id, state.sampling_params.extra_args, state.num_prompt_tokens)
             if entry is None:
                 return None
-            store.note_progress(req_id, int(positions[-1]) + 1)
-            return entry.spec.select(positions, entry.prompt_len)
+            store.note_progress(entry, int(positions[-1]) + 1)
+            # A pipeline stage holding none of the wanted layers has nothing to read.
+            return entry.select(positions) if entry.sites else None
 
         plan = plan_reads(slices, selector, store.max_rows)
         store.load_rows(plan)

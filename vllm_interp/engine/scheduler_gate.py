@@ -1,18 +1,23 @@
-"""Monkeypatch: requests wait for a steering config slot instead of running unsteered.
+"""Monkeypatch: vllm-interp's admission rules in whichever scheduler vLLM picks.
 
 Wraps ``vllm.config.scheduler.SchedulerConfig.get_scheduler_cls`` (vLLM 0.26), which the engine core calls
 once to pick its scheduler class, so that whichever class vLLM picks (``Scheduler``, ``AsyncScheduler`` or
-a user's ``--scheduler-cls``) gains ``SteeringAdmission``. ``--scheduler-cls`` itself cannot carry this: the
-gate has to ride on top of the class vLLM would choose, and async scheduling is decided after our flags.
+a user's ``--scheduler-cls``) gains the mixins below. ``--scheduler-cls`` itself cannot carry them: they
+have to ride on top of the class vLLM would choose, and async scheduling is decided after our flags.
 
-Each worker has ``max_steering_configs`` table slots; identical specs share one. Before every scheduling
-pass the gate takes out of the waiting queues the requests whose config is new while all slots are held by
-running requests, and puts them back, in order, afterwards: they are admitted once a slot frees.
+- ``SteeringAdmission``: requests wait for a steering config slot instead of running unsteered. Each worker
+  has ``max_steering_configs`` table slots; identical specs share one. Before every scheduling pass the
+  gate takes out of the waiting queues the requests whose config is new while all slots are held by
+  running requests, and puts them back, in order, afterwards: they are admitted once a slot frees.
+- ``CaptureCacheBypass``: a request that captures prompt positions the prefix cache could serve (all but
+  the last, which vLLM always computes) skips reading the cache, so that every such row is computed.
 """
 
+import json
 from functools import cache
 from typing import Any
 
+from vllm_interp.capture.spec import spec_from_wire
 from vllm_interp.config import InterpConfig
 from vllm_interp.request_args import interp_args
 
@@ -67,9 +72,25 @@ def _slot_limit(vllm_config: Any) -> int | None:
     return config.max_steering_configs if config is not None and config.enable_steering else None
 
 
+class CaptureCacheBypass:
+    _interp_global_capture: dict[str, Any]
+
+    def add_request(self, request: Any) -> None:
+        if not hasattr(self, "_interp_global_capture"):
+            config = InterpConfig.from_additional_config(self.vllm_config.additional_config)
+            raw = json.loads(config.capture_global) if config is not None and config.capture_global else {}
+            self._interp_global_capture = spec_from_wire(raw)
+        params = getattr(request, "sampling_params", None)
+        own = interp_args(params.extra_args if params is not None else None).get("capture") or {}
+        specs = {**self._interp_global_capture, **spec_from_wire(own)}
+        if any(spec.needs_prompt_prefix(request.num_prompt_tokens) for spec in specs.values()):
+            request.skip_reading_prefix_cache = True
+        super().add_request(request)
+
+
 @cache
 def _gated(scheduler_cls: type) -> type:
-    return type(f"SteeringGated{scheduler_cls.__name__}", (SteeringAdmission, scheduler_cls), {})
+    return type(f"Interp{scheduler_cls.__name__}", (SteeringAdmission, CaptureCacheBypass, scheduler_cls), {})
 
 
 def install() -> None:

@@ -2,16 +2,21 @@
 
 ``load_model`` runs before the profile run (the first Dynamo trace) and before CUDA-graph capture, so
 every compiled graph contains the sites. The runner's class is swapped for one with the
-``InterpRunnerMixin``; the read-out store is attached to it.
+``InterpRunnerMixin``; the capture store (with its consumers) and the steering tables are attached to it.
 """
 
+import json
 from typing import Any
 
-from vllm.distributed import get_tensor_model_parallel_rank
+from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker
 
-from vllm_interp.capture.readout_store import ReadoutStore
+from vllm_interp.capture.consumer import ConsumerContext
+from vllm_interp.capture.dispatch import ConsumerRunner
+from vllm_interp.capture.plugins import configure_consumers
+from vllm_interp.capture.spec import validate_capture_spec
+from vllm_interp.capture.store import CaptureStore
 from vllm_interp.compat import check_vllm_version
 from vllm_interp.config import InterpConfig
 from vllm_interp.engine.runner import with_interp_runner
@@ -38,17 +43,35 @@ class InterpWorkerMixin:
             hidden_size=model_config.get_hidden_size(),
             dtype=model_config.dtype,
             device=runner.device,
-            # No read-out: zero read slots, so even a replayed CUDA graph reads nothing.
-            max_rows=config.max_readout_rows if config.enable_readout else 0,
+            max_rows=config.max_capture_rows if config.capture_consumers else 0,
             max_tokens=runner.max_num_tokens,
             steer_rows=steer_rows,
         )
         runner.__class__ = with_interp_runner(type(runner))
-        num_layers = model_config.get_total_num_hidden_layers()
-        runner.interp_store = ReadoutStore(bank, num_layers=num_layers, max_rows=config.max_readout_rows)
+        runner.interp_store = self._capture_store(config, bank)
         runner.interp_steering = SteeringTables(bank, config.max_steering_configs) if config.enable_steering else None
-        # Tensor-parallel ranks hold identical residual rows: rank 0 alone reports them.
-        self._interp_reports = get_tensor_model_parallel_rank() == 0
+
+    def _capture_store(self, config: InterpConfig, bank) -> CaptureStore:
+        model_config = self.vllm_config.model_config
+        num_layers = model_config.get_total_num_hidden_layers()
+        setups = configure_consumers(config.capture_consumers)
+        global_spec = {}
+        if config.capture_global:
+            global_spec = validate_capture_spec(json.loads(config.capture_global), num_layers=num_layers,
+                                                consumers={n: s.cls for n, s in setups.items()}, field="capture_global")
+        # Tensor-parallel ranks hold identical residual rows: rank 0 alone runs consumers.
+        runners = {}
+        if get_tensor_model_parallel_rank() == 0:
+            for name, setup in setups.items():
+                context = ConsumerContext(
+                    name=name, options=setup.options, model=str(model_config.served_model_name),
+                    num_layers=num_layers, hidden_size=model_config.get_hidden_size(),
+                    pipeline_rank=get_pp_group().rank_in_group,
+                )
+                runners[name] = ConsumerRunner(setup.cls(context), policy=config.capture_overload_policy,
+                                               queue_bytes=setup.queue_bytes, spill_dir=setup.spill_dir)
+        return CaptureStore(bank, num_layers=num_layers, max_rows=config.max_capture_rows,
+                            model=str(model_config.served_model_name), consumers=runners, global_spec=global_spec)
 
     def interp_describe_sites(self) -> dict[str, Any]:
         return self.model_runner.interp_store.bank.descriptor()
@@ -59,9 +82,16 @@ class InterpWorkerMixin:
             raise RuntimeError("steering is not enabled on this engine")
         tables.set_global(SteeringVectors.from_wire(wire))
 
-    def interp_take_readouts(self, keys: list[str]) -> dict[str, dict[str, Any]]:
-        taken = self.model_runner.interp_store.take(keys)
-        return taken if self._interp_reports else {}
+    def interp_capture_results(self, lengths: dict[str, int], wait_s: float) -> dict[str, Any]:
+        """Per capture key, each consumer's result (see CaptureStore.results)."""
+        return self.model_runner.interp_store.results(lengths, wait_s)
+
+    def shutdown(self) -> None:
+        # Consumers finish what is queued (files published, shards flushed) before the process exits.
+        store = getattr(getattr(self, "model_runner", None), "interp_store", None)
+        if store is not None:
+            store.close()
+        super().shutdown()
 
 
 class InterpGPUWorker(InterpWorkerMixin, Worker):

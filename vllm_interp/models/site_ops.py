@@ -25,8 +25,9 @@ import torch
 @dataclass
 class StepState:
     """Host-side facts about the current step, set by the runner before each forward. A step that reads or
-    steers nothing costs one early return per site; under CUDA-graph capture the op body is frozen, so the
-    captured graph always steers and reads every slot (the runner keeps unused slots harmless)."""
+    steers nothing costs one early return per site. Under CUDA-graph capture the op body is frozen: the
+    captured graph always steers (the runner keeps unused steering indices at the zero row) and never reads,
+    so the runner runs steps that read without graphs."""
 
     read_rows: int = 0
     steer: bool = False
@@ -55,7 +56,7 @@ def _site(
     if (STEP.steer or capturing) and steer_table.shape[1] > 1:
         flat = target.view(-1, width)
         flat.add_(steer_table[hook].index_select(0, steer_index[: flat.shape[0]]))
-    count = read_rows.shape[0] if capturing else STEP.read_rows
+    count = 0 if capturing else STEP.read_rows
     if count == 0:
         return
     index = read_rows[:count]

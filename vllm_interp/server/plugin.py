@@ -10,6 +10,7 @@ from argparse import Namespace
 from fastapi import FastAPI
 from starlette.datastructures import State
 
+from vllm_interp.capture.plugins import consumer_class
 from vllm_interp.config import InterpConfig
 from vllm_interp.server import steering_routes
 from vllm_interp.server.auth import configured_keys
@@ -39,4 +40,6 @@ class InterpEndpoints:
             name, path = parse_named_file(flag)
             steering.register(name, load_named_file(path))
         state.vllm_interp_steering = steering
+        state.vllm_interp_num_layers = shape.num_layers
+        state.vllm_interp_consumers = {name: consumer_class(name) for name in config.consumer_names}
         state.vllm_interp_api_keys = configured_keys(getattr(args, "steering_api_key", None))

@@ -1,4 +1,4 @@
-"""Pydantic models of the vllm-interp HTTP wire formats (bodies of /v1/steering/*)."""
+"""Pydantic models of the vllm-interp HTTP wire formats (bodies of /v1/steering/*, request fields)."""
 
 from typing import Any
 
@@ -29,8 +29,9 @@ class SteeringUnregisterRequest(BaseModel):
     name: str
 
 
-class SteeringRequestFields(BaseModel):
-    """The top-level fields vllm-interp adds to /v1/completions and /v1/chat/completions."""
+class InterpRequestFields(BaseModel):
+    """The top-level fields vllm-interp adds to /v1/completions and /v1/chat/completions (their contents
+    are checked by the steering and capture validators)."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -38,6 +39,10 @@ class SteeringRequestFields(BaseModel):
     prefill_steering_vectors: dict[str, Any] | None = None
     decode_steering_vectors: dict[str, Any] | None = None
     steering_name: str | None = None
+    capture: dict[str, Any] | None = None
+
+
+STEERING_FIELDS = ("steering_vectors", "prefill_steering_vectors", "decode_steering_vectors", "steering_name")
 
 
 def error_body(message: str, param: str | None = None, code: int = 400) -> dict[str, Any]:

@@ -7,7 +7,12 @@ folds our flags into ``worker_cls`` and ``additional_config`` and hands the name
 import argparse
 import os
 
-from vllm_interp.config import DEFAULT_MAX_STEERING_CONFIGS, InterpConfig
+from vllm_interp.config import (
+    DEFAULT_MAX_CAPTURE_ROWS,
+    DEFAULT_MAX_STEERING_CONFIGS,
+    OVERLOAD_POLICIES,
+    InterpConfig,
+)
 from vllm_interp.default_model import resolve_model
 from vllm_interp.engine.args import check_model_architecture, interp_engine_args
 from vllm_interp.server.auth import API_KEY_ENV
@@ -47,8 +52,16 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         action="append",
         default=[],
         metavar="NAME[:KEY=VAL,...]",
-        help="Enable a capture consumer with options (repeatable).",
+        help="Enable a capture consumer with options (repeatable); every consumer also takes queue_mb and "
+        "spill_dir. Built in: inline, filesystem (root=DIR,layout=packed|per_file|sharded,...), logging.",
     )
+    group.add_argument("--capture-global", default="", metavar="JSON",
+                       help='A capture spec applied to every request, e.g. \'{"logging": {"hooks": "all"}}\'.')
+    group.add_argument("--capture-overload-policy", choices=OVERLOAD_POLICIES, default="block",
+                       help="What a consumer whose queue is full does with more rows: wait (block), drop them "
+                       "(reported in the request's result) or park them on disk (spill).")
+    group.add_argument("--max-capture-rows", type=int, default=DEFAULT_MAX_CAPTURE_ROWS,
+                       help="Rows one forward step may capture (sizes the capture buffers).")
 
 
 def serve(command, args: argparse.Namespace) -> None:
@@ -61,6 +74,9 @@ def serve(command, args: argparse.Namespace) -> None:
         max_steering_configs=args.max_steering_configs,
         enable_patching=args.enable_patching,
         capture_consumers=tuple(args.capture_consumers),
+        capture_global=args.capture_global,
+        capture_overload_policy=args.capture_overload_policy,
+        max_capture_rows=args.max_capture_rows,
     )
     if config.hooks_needed:
         check_model_architecture(args.model, model_impl=args.model_impl, trust_remote_code=args.trust_remote_code)

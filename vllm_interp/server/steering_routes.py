@@ -14,7 +14,7 @@ from vllm_interp.server.protocol import (
     SteeringUnregisterRequest,
     error_body,
 )
-from vllm_interp.server.request_fields import steering_error_response
+from vllm_interp.server.request_fields import field_error_response
 from vllm_interp.steering.state import SteeringState
 from vllm_interp.steering.vectors import SteeringError, SteeringVectors
 
@@ -48,7 +48,7 @@ async def _mutating(request: Request, model: type[BaseModel] | None, action) -> 
     except _BadRequest as exc:
         return exc.response
     except SteeringError as exc:
-        return steering_error_response(exc)
+        return field_error_response(exc)
 
 
 async def _push_global(request: Request, vectors: SteeringVectors) -> dict[str, Any]:

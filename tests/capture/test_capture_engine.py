@@ -1,0 +1,133 @@
+"""Capture on the real SmolLM2 engine: exact rows for every position kind, through the prefix cache, to the
+built-in consumers."""
+
+import pytest
+import torch
+from vllm import SamplingParams
+
+from tests.parity import compare, hf_residuals
+from tests.zoo import _input_of
+from vllm_interp.capture.consumers.filesystem import read_capture
+
+MAX_TOKENS = 5
+NUM_LAYERS = 30
+
+
+def _greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def _sequence(output) -> list[int]:
+    # The last generated token is sampled but never fed back: it has no residual.
+    return list(output.prompt_token_ids) + list(output.outputs[0].token_ids)[:-1]
+
+
+def _expected(positions, prompt_len: int, length: int) -> list[int]:
+    match positions:
+        case "all_prompt":
+            return list(range(prompt_len))
+        case "last_prompt":
+            return [prompt_len - 1]
+        case "all_generated":
+            return list(range(prompt_len, length))
+        case explicit:
+            return sorted(explicit)
+
+
+def test_every_position_kind_equals_transformers_in_one_continuous_batch(
+    smollm2_llm, smollm2_path, prompt_ids, parity_table
+):
+    kinds = ["all_prompt", "last_prompt", "all_generated", [0, 5, len(prompt_ids[3]) + 1]]
+    captures = [{"inline": {"positions": kind}} for kind in kinds]
+    prompts = [{"prompt_token_ids": p} for p in prompt_ids]
+    outputs = smollm2_llm.generate(prompts, _greedy(), capture=captures, use_tqdm=False)
+    sequences = [_sequence(o) for o in outputs]
+    readouts = []
+    for output, kind, sequence in zip(outputs, kinds, sequences, strict=True):
+        result = output.capture["inline"]
+        assert result.status == "ok", result.message
+        expected = _expected(kind, len(output.prompt_token_ids), len(sequence))
+        assert output.residuals.positions == expected
+        assert result.rows == len(expected) * NUM_LAYERS * 3
+        readouts.append(output.residuals)
+    references = hf_residuals(smollm2_path, sequences, _input_of("post_attention_layernorm"))
+    parity_table.append(("smollm2 capture kinds", compare(readouts, references, num_layers=NUM_LAYERS)))
+
+
+def test_prompt_rows_served_from_the_prefix_cache_are_still_captured_exactly(
+    smollm2_llm, smollm2_path, smollm2_tokenizer, parity_table
+):
+    # Three full 128-token blocks: long enough for the CPU engine's prefix cache.
+    text = " ".join(f"Row {i} of the ledger records a {['small', 'large', 'odd'][i % 3]} parcel." for i in range(40))
+    prompt = [{"prompt_token_ids": smollm2_tokenizer(text).input_ids[:400]}]
+    smollm2_llm.generate(prompt, _greedy(2), use_tqdm=False)  # caches the prompt's blocks
+
+    sites = {"pre_attn": [0, 14], "post_attn": [7, 29], "post_block": [3, 29]}
+    (every,) = smollm2_llm.generate(prompt, _greedy(2), use_tqdm=False,
+                                    capture={"inline": {"hooks": sites, "positions": "all_prompt"}})
+    # Rows before the last prompt token could come from the cache: such a capture bypasses it.
+    assert every.num_cached_tokens == 0
+    (last,) = smollm2_llm.generate(prompt, _greedy(2), use_tqdm=False,
+                                   capture={"inline": {"hooks": "all", "positions": "last_prompt"}})
+    # The last prompt token is always computed, so this capture keeps the cache.
+    assert last.num_cached_tokens >= 384
+    assert every.capture["inline"].status == last.capture["inline"].status == "ok"
+    assert every.residuals.positions == list(range(400)) and last.residuals.positions == [399]
+
+    (reference,) = hf_residuals(smollm2_path, [_sequence(every)], _input_of("post_attention_layernorm"))
+    for readout in (every.residuals, last.residuals):
+        for name, got in readout.tensors.items():
+            want = reference[name][readout.positions]
+            assert (got - want).abs().max() <= 2e-5 * want.abs().max(), name
+
+
+def test_filesystem_layouts_hold_the_rows_the_caller_got(smollm2_llm, capture_root, prompt_ids):
+    hooks = {"post_block": [3, 7], "pre_attn": [0]}
+    for layout in ("packed", "per_file"):
+        tag = f"engine/{layout}"
+        capture = {
+            "inline": {"hooks": hooks, "positions": "all_prompt"},
+            "filesystem": {"hooks": hooks, "positions": "all_prompt", "tag": tag, "layout": layout},
+        }
+        (out,) = smollm2_llm.generate([{"prompt_token_ids": prompt_ids[1]}], _greedy(), capture=capture,
+                                      use_tqdm=False)
+        written = out.capture["filesystem"]
+        assert written.status == "ok", written.message
+        assert written.result["layout"] == layout
+        tensors, meta = read_capture(capture_root, tag)
+        assert meta["positions"] == out.residuals.positions and meta["tag"] == tag
+        assert meta["sites"] == ["0.pre_attn", "3.post_block", "7.post_block"]
+        for name, tensor in tensors.items():
+            torch.testing.assert_close(tensor, out.residuals[name], rtol=0, atol=0)
+
+
+def test_a_collision_fails_only_that_request_and_says_why(smollm2_llm, prompt_ids):
+    capture = {"filesystem": {"hooks": {"post_block": [1]}, "tag": "engine/once"}}
+    prompts = [{"prompt_token_ids": prompt_ids[0]}]
+    (first,) = smollm2_llm.generate(prompts, _greedy(), capture=capture, use_tqdm=False)
+    (second,) = smollm2_llm.generate(prompts, _greedy(), capture=capture, use_tqdm=False)
+    assert first.capture["filesystem"].status == "ok"
+    assert second.capture["filesystem"].status == "error"
+    assert "FileExistsError" in second.capture["filesystem"].message
+    # The engine goes on serving.
+    (third,) = smollm2_llm.generate(prompts, _greedy(), capture={**capture, "inline": {}}, use_tqdm=False)
+    assert third.capture["inline"].status == "ok"
+
+
+def test_logging_consumer_reports_row_statistics(smollm2_llm, prompt_ids):
+    capture = {name: {"hooks": {"post_attn": [12]}, "positions": "all_prompt"} for name in ("logging", "inline")}
+    (out,) = smollm2_llm.generate([{"prompt_token_ids": prompt_ids[2]}], _greedy(), capture=capture,
+                                  use_tqdm=False)
+    stats = out.capture["logging"].result["stats"]["12.post_attn"]
+    norms = out.residuals["12.post_attn"].norm(dim=-1)
+    torch.testing.assert_close(torch.tensor(stats["norm"]), norms, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("positions", ["all", "all_generated"])
+def test_generated_rows_are_neither_lost_nor_duplicated_across_steps(smollm2_llm, prompt_ids, positions):
+    params = _greedy(12)
+    (out,) = smollm2_llm.generate([{"prompt_token_ids": prompt_ids[3]}], params, use_tqdm=False,
+                                  capture={"inline": {"hooks": {"post_block": [29]}, "positions": positions}})
+    prompt_len = len(out.prompt_token_ids)
+    start = 0 if positions == "all" else prompt_len
+    assert out.residuals.positions == list(range(start, prompt_len + 11))

@@ -1,0 +1,114 @@
+import logging
+
+import pytest
+import torch
+
+from vllm_interp.capture.consumer import CaptureMeta, ConsumerContext, RequestCapture
+from vllm_interp.capture.consumers.logging import LoggingConsumer
+
+LOGGER = "vllm_interp.capture.logging"
+SITES = ["3.pre_attn", "3.post_block", "7.post_block"]
+
+
+def make_capture(positions: list[int], hidden: int = 8, dtype: torch.dtype = torch.float32) -> RequestCapture:
+    generator = torch.Generator().manual_seed(0)
+    meta = CaptureMeta(
+        request_id="req-1", tag="run/a", model="m", prompt_len=4, positions=positions, sites=SITES, dtype=str(dtype)
+    )
+    tensors = {site: torch.randn(len(positions), hidden, generator=generator).to(dtype) for site in SITES}
+    return RequestCapture(meta=meta, tensors=tensors)
+
+
+def make_consumer(**options: str) -> LoggingConsumer:
+    validated = LoggingConsumer.validate_engine_options(options)
+    return LoggingConsumer(ConsumerContext(name="logging", options=validated, model="m", num_layers=8, hidden_size=8))
+
+
+def test_defaults():
+    assert LoggingConsumer.validate_engine_options({}) == {"level": "info", "max_positions": 16}
+    assert LoggingConsumer.validate_engine_options({"level": "DEBUG", "max_positions": "3"}) == {
+        "level": "debug",
+        "max_positions": 3,
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stats_match_torch(dtype):
+    capture = make_capture([1, 2, 3], dtype=dtype)
+    result = make_consumer().consume(capture)
+    assert result["rows"] == 3 * len(SITES)
+    assert list(result["stats"]) == SITES
+    for site, rows in capture:
+        rows = rows.float()
+        expected = {
+            "norm": rows.norm(dim=-1),
+            "mean": rows.mean(dim=-1),
+            "std": rows.std(dim=-1, unbiased=False),
+            "min": rows.min(dim=-1).values,
+            "max": rows.max(dim=-1).values,
+        }
+        stats = result["stats"][site]
+        assert set(stats) == set(expected)
+        for key, values in expected.items():
+            assert all(type(v) is float for v in stats[key])
+            torch.testing.assert_close(torch.tensor(stats[key]), values)
+
+
+def test_logs_one_line_per_site(caplog):
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    capture = make_capture([2, 3])
+    make_consumer().consume(capture)
+    records = [r for r in caplog.records if r.name == LOGGER]
+    assert [r.levelno for r in records] == [logging.INFO] * len(SITES)
+    for record, site in zip(records, SITES, strict=True):
+        message = record.getMessage()
+        assert message.startswith(f"request req-1 tag=run/a {site}: [2] norm=")
+        assert "| [3] norm=" in message
+        assert "omitted" not in message
+        norm = capture.tensors[site][0].norm().item()
+        assert f"norm={norm:.4g}" in message
+
+
+def test_level_and_max_positions(caplog):
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
+    make_consumer(level="debug", max_positions="2").consume(make_capture([0, 1, 2, 3, 4]))
+    records = [r for r in caplog.records if r.name == LOGGER]
+    assert [r.levelno for r in records] == [logging.DEBUG] * len(SITES)
+    message = records[0].getMessage()
+    assert "[0] " in message and "[1] " in message and "[2] " not in message
+    assert message.endswith("(+3 positions omitted)")
+
+
+def test_filtered_level_still_returns_stats(caplog):
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    result = make_consumer(level="info").consume(make_capture([3]))
+    assert not [r for r in caplog.records if r.name == LOGGER]
+    assert len(result["stats"]["3.post_block"]["norm"]) == 1
+
+
+def test_no_positions(caplog):
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    result = make_consumer().consume(make_capture([]))
+    assert result["rows"] == 0
+    assert result["stats"]["3.pre_attn"] == {"norm": [], "mean": [], "std": [], "min": [], "max": []}
+    assert caplog.records[0].getMessage().endswith("no positions captured")
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [
+        ({"level": "error"}, "level"),
+        ({"max_positions": "many"}, "max_positions"),
+        ({"max_positions": "0"}, "max_positions"),
+        ({"path": "/tmp/x"}, "path"),
+    ],
+)
+def test_bad_engine_options_name_the_option(options, field):
+    with pytest.raises(ValueError, match=f"^{field}: "):
+        LoggingConsumer.validate_engine_options(options)
+
+
+def test_request_options_are_rejected():
+    assert LoggingConsumer.validate_options({}) == {}
+    with pytest.raises(ValueError, match="^note: "):
+        LoggingConsumer.validate_options({"note": "x"})

@@ -1,0 +1,116 @@
+"""Capture over HTTP on `vllm-interp serve`: the openai client's extra_body, results in the response,
+a third-party consumer installed from examples/, a global spec, and 400s that name the field."""
+
+import json
+import time
+
+import pytest
+import requests
+import torch
+
+from vllm_interp.capture.consumers.filesystem import read_capture
+from vllm_interp.capture.consumers.inline import ResidualReadout
+
+PROMPT = "The capital of France is"
+
+
+def _client(url):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused")
+    return client, client.models.list().data[0].id
+
+
+def _stats_lines(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_capture_results_come_back_with_the_completion(server, server_dirs):
+    client, model = _client(server[0])
+    hooks = {"post_block": [5, 20]}
+    capture = {
+        "inline": {"hooks": hooks, "positions": "all_prompt"},
+        "filesystem": {"hooks": hooks, "positions": "all_prompt", "tag": "http/one"},
+        "activation_stats": {"hooks": {"post_attn": [2]}, "positions": "last_prompt", "note": "from http"},
+    }
+    completion = client.completions.create(model=model, prompt=PROMPT, max_tokens=3, temperature=0,
+                                           extra_body={"capture": capture})
+    assert completion.choices[0].text.startswith(" Paris")
+    results = completion.model_dump()["capture_results"]
+    assert {name: r["status"] for name, r in results.items()} == dict.fromkeys(capture, "ok")
+
+    readout = ResidualReadout.from_result(results["inline"]["result"])
+    prompt_tokens = completion.usage.prompt_tokens
+    assert readout.positions == list(range(prompt_tokens))
+    assert readout.sites == ["5.post_block", "20.post_block"] and readout["5.post_block"].shape == (prompt_tokens, 576)
+    tensors, meta = read_capture(server_dirs["captures"], "http/one")
+    assert meta["positions"] == readout.positions
+    for name, tensor in tensors.items():
+        torch.testing.assert_close(tensor, readout[name], rtol=0, atol=0)
+
+    # The third-party consumer: the request's own spec replaces the server's global one for that consumer.
+    (line,) = [line for line in _stats_lines(server_dirs["stats"]) if line["note"] == "from http"]
+    assert list(line["mean_norm"]) == ["2.post_attn"] and line["positions"] == [prompt_tokens - 1]
+    assert results["activation_stats"]["result"]["sites"] == 1
+
+
+def test_chat_completions_carry_results_too(server):
+    client, model = _client(server[0])
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Say hi"}], max_tokens=2, temperature=0,
+        extra_body={"capture": {"inline": {"hooks": {"pre_attn": [0]}, "positions": "last_prompt"}}},
+    )
+    result = chat.model_dump()["capture_results"]["inline"]
+    assert result["status"] == "ok"
+    assert ResidualReadout.from_result(result["result"]).positions == [chat.usage.prompt_tokens - 1]
+
+
+def test_global_capture_sees_requests_without_a_capture_field(server, server_dirs):
+    client, model = _client(server[0])
+    before = len(_stats_lines(server_dirs["stats"]))
+    completion = client.completions.create(model=model, prompt="Two plus two is", max_tokens=2, temperature=0)
+    assert "capture_results" not in completion.model_dump()
+    deadline = time.time() + 30
+    while len(_stats_lines(server_dirs["stats"])) == before and time.time() < deadline:
+        time.sleep(0.2)
+    line = _stats_lines(server_dirs["stats"])[-1]
+    assert list(line["mean_norm"]) == ["3.post_block"] and line["note"] is None
+
+
+def test_streaming_requests_capture_without_results_in_the_stream(server, server_dirs):
+    client, model = _client(server[0])
+    stream = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=3, temperature=0, stream=True,
+        extra_body={"capture": {"filesystem": {"hooks": {"post_block": [1]}, "tag": "http/streamed"}}},
+    )
+    assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices).startswith(" Paris")
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        try:
+            tensors, _ = read_capture(server_dirs["captures"], "http/streamed")
+            break
+        except FileNotFoundError:
+            time.sleep(0.2)
+    else:
+        pytest.fail("the streamed request's capture was never published")
+    assert tensors["1.post_block"].shape == (1, 576)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"capture": {"inline": {"hooks": {"post_block": [30]}}}}, "capture.inline.hooks.post_block"),
+        ({"capture": {"nosuch": {}}}, "capture.nosuch"),
+        ({"capture": {"filesystem": {"tag": "../../etc"}}}, "capture.filesystem.tag"),
+        ({"capture": {"filesystem": {"layout": "zip"}}}, "capture.filesystem.layout"),
+        ({"capture": {"activation_stats": {"note": 3}}}, "capture.activation_stats.note"),
+        ({"capture": {"inline": {}}, "n": 2}, "capture"),
+        ({"capture": "all"}, "capture"),
+    ],
+)
+def test_bad_capture_specs_get_400_naming_the_field(server, body, param):
+    url, _ = server
+    reply = requests.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 1, **body}, timeout=60)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param and error["message"].startswith(param)

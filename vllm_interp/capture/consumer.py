@@ -1,0 +1,128 @@
+"""The capture-consumer plugin interface.
+
+A consumer is a class registered under the entry-point group ``vllm_interp.capture_consumers`` and enabled
+with ``--capture-consumers NAME[:key=val,...]``. Each worker that reports rows (tensor-parallel rank 0 of
+every pipeline stage) builds one instance, and runs it on its own thread: ``consume`` never runs on the
+forward path, so a slow consumer delays only its own results (unless the overload policy is ``block``).
+
+Lifecycle, all on the consumer's thread except ``validate_*``:
+
+1. ``validate_engine_options(options)`` (classmethod): check the ``--capture-consumers`` options, before the
+   engine starts.
+2. ``validate_options(options)`` (classmethod): check a request's consumer options (every field of its spec
+   besides hooks/positions/tag), in the frontend and again in the worker. Raise ``ValueError("field: why")``.
+3. ``__init__(context)``: once per worker, with the engine options and the model's facts.
+4. ``consume(capture)``: once per finished request, with every captured row. Return a JSON-able dict (or
+   None) that the caller receives as the result; raise to fail only this request (status ``error``).
+5. ``close()``: at engine shutdown, after every queued request was consumed.
+
+Under pipeline parallelism each stage's instance receives that stage's layers; ``merge_results`` combines
+the stages' results for the caller.
+"""
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from vllm_interp.hooks import HOOKS, parse_site_name
+
+
+@dataclass(frozen=True)
+class ConsumerContext:
+    """What a consumer instance knows about its engine."""
+
+    name: str
+    options: dict[str, Any]  # from --capture-consumers, after validate_engine_options
+    model: str
+    num_layers: int
+    hidden_size: int
+    pipeline_rank: int = 0
+
+
+@dataclass(frozen=True)
+class CaptureMeta:
+    """Metadata of one request's capture, as a consumer sees it."""
+
+    request_id: str
+    tag: str | None
+    model: str
+    prompt_len: int
+    positions: list[int]  # absolute token indices, ascending; rows of every tensor in this order
+    sites: list[str]  # "12.post_block" names, layer-major, in tensor order
+    dtype: str
+    options: dict[str, Any] = field(default_factory=dict)  # the request's consumer options
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted({parse_site_name(s)[0] for s in self.sites})
+
+    @property
+    def hooks(self) -> list[str]:
+        captured = {parse_site_name(s)[1] for s in self.sites}
+        return [hook for hook in HOOKS if hook in captured]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "request_id": self.request_id,
+            "tag": self.tag,
+            "model": self.model,
+            "prompt_len": self.prompt_len,
+            "positions": self.positions,
+            "sites": self.sites,
+            "layers": self.layers,
+            "hooks": self.hooks,
+            "dtype": self.dtype,
+        }
+
+
+@dataclass
+class RequestCapture:
+    """One request's captured rows: ``tensors["12.post_block"]`` is ``[len(meta.positions), hidden]``."""
+
+    meta: CaptureMeta
+    tensors: dict[str, torch.Tensor]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self.tensors.items())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+class CaptureConsumer:
+    """Base class of capture consumers (see the module docstring for the lifecycle)."""
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, context: ConsumerContext) -> None:
+        self.context = context
+
+    @classmethod
+    def validate_engine_options(cls, options: dict[str, str]) -> dict[str, Any]:
+        """Check (and convert) the ``--capture-consumers`` options; default: none accepted."""
+        return _no_options(options)
+
+    @classmethod
+    def validate_options(cls, options: dict[str, Any]) -> dict[str, Any]:
+        """Check (and normalise) a request's consumer options; default: none accepted."""
+        return _no_options(options)
+
+    def consume(self, capture: RequestCapture) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release resources (files, connections) at shutdown."""
+
+    @classmethod
+    def merge_results(cls, results: list[dict[str, Any]]) -> dict[str, Any]:
+        """Combine the results of pipeline stages (each consumed its own layers) into the caller's one."""
+        return {"stages": results}
+
+
+def _no_options(options: dict[str, Any]) -> dict[str, Any]:
+    if options:
+        raise ValueError(f"{next(iter(options))}: unknown option")
+    return options

@@ -1,0 +1,1 @@
+"""Capture consumers that ship with vllm-interp."""

@@ -1,0 +1,511 @@
+"""The built-in ``filesystem`` capture consumer: each request's rows as safetensors files under one root.
+
+Enable with ``--capture-consumers filesystem:root=DIR[,layout=packed][,on_collision=error][,shard_mb=256]``.
+A request's files are named by its ``base``: its ``tag`` if given, else its request id made file-safe
+(:func:`request_base`). Every tensor is ``[len(positions), hidden]`` and is named by its site (``12.post_block``).
+
+Layouts (``layout``; a request may override it and ``on_collision`` in its spec):
+
+- ``per_file``: ``<root>/<base>/<site>.safetensors`` (one tensor each) and the sidecar ``<root>/<base>/meta.json``.
+- ``packed``: ``<root>/<base>.safetensors`` (one tensor per site) and the sidecar ``<root>/<base>.json``.
+- ``sharded``: requests are buffered in memory and written together to ``<root>/shards/shard-NNNNN.safetensors``
+  (tensors ``<base>/<site>``) when the next request would push the shard past ``shard_mb`` MiB (a request that
+  alone fills a shard is written at once), and at ``close()``; one JSON line per request (the metadata plus
+  ``shard``) is then appended to ``<root>/shards/index.jsonl``; the last line of a base wins.
+  ``consume`` returns ``pending: true`` while the request is only in memory: its data is durable once its shard
+  is published (at a later rollover or at ``close()``), and is lost if the process dies before that.
+
+The metadata (``CaptureMeta.to_json()`` plus ``base``, ``layout`` and ``shape``) is the sidecar / index line, and
+is also stored as JSON in each safetensors header under the key ``vllm_interp`` (a shard stores its requests').
+
+Crash safety: every file is written to a hidden ``.<name>.<random>.tmp`` beside its final name, fsynced, renamed
+into place, and its directory fsynced. Data files are published before the sidecar or index line that declares
+them, and an overwrite deletes the old sidecar first, so a capture is complete exactly when its sidecar or index
+line exists. Readers ignore everything else (temp leftovers, data without a sidecar). One consumer instance is
+assumed to be the only writer of a root.
+"""
+
+import itertools
+import json
+import os
+import re
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from vllm_interp.capture.consumer import CaptureConsumer, ConsumerContext, RequestCapture
+from vllm_interp.hooks import parse_site_name
+
+LAYOUTS = ("per_file", "packed", "sharded")
+COLLISION_POLICIES = ("overwrite", "error", "suffix")
+REQUEST_OPTIONS: dict[str, tuple[str, ...]] = {"layout": LAYOUTS, "on_collision": COLLISION_POLICIES}
+DEFAULT_OPTIONS: dict[str, Any] = {"layout": "packed", "on_collision": "error", "shard_mb": 256}
+SHARD_DIR = "shards"
+INDEX_NAME = "index.jsonl"
+PER_FILE_SIDECAR = "meta.json"
+METADATA_KEY = "vllm_interp"
+
+_UNSAFE_CHARS = re.compile(r"[^A-Za-z0-9_.\-]")
+_MAX_SEGMENT = 128  # the tag rule's segment limit, so a request id makes a base no longer than a tag segment
+_SHARD_NAME = re.compile(r"shard-(\d+)\.safetensors")
+
+
+@dataclass
+class _Pending:
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, Any]
+    nbytes: int
+
+
+class FilesystemConsumer(CaptureConsumer):
+    """Writes each finished request's capture under ``root`` (see the module docstring for the layouts)."""
+
+    name = "filesystem"
+
+    def __init__(self, context: ConsumerContext) -> None:
+        super().__init__(context)
+        options = {**DEFAULT_OPTIONS, **context.options}
+        self.root = Path(options["root"])
+        self.layout: str = options["layout"]
+        self.on_collision: str = options["on_collision"]
+        self.shard_bytes = int(options["shard_mb"]) << 20
+        _make_dirs(self.root)
+        self._pending: dict[str, _Pending] = {}
+        self._next_shard = _next_shard_number(self.root / SHARD_DIR)
+
+    @classmethod
+    def validate_engine_options(cls, options: dict[str, str]) -> dict[str, Any]:
+        """``root`` (required), ``layout``, ``on_collision``, ``shard_mb``; returns them converted, defaults filled."""
+        for key in options:
+            if key != "root" and key not in DEFAULT_OPTIONS:
+                raise ValueError(f"{key}: unknown option")
+        per_request = cls.validate_options({k: v for k, v in options.items() if k in REQUEST_OPTIONS})
+        return {
+            **DEFAULT_OPTIONS,
+            **per_request,
+            "root": _checked_root(options.get("root")),
+            "shard_mb": _checked_shard_mb(options.get("shard_mb", DEFAULT_OPTIONS["shard_mb"])),
+        }
+
+    @classmethod
+    def validate_options(cls, options: dict[str, Any]) -> dict[str, Any]:
+        """A request may set ``layout`` and ``on_collision``; the engine's values apply otherwise."""
+        for key, value in options.items():
+            allowed = REQUEST_OPTIONS.get(key)
+            if allowed is None:
+                raise ValueError(f"{key}: unknown option")
+            if not isinstance(value, str) or value not in allowed:
+                raise ValueError(f"{key}: must be one of {', '.join(allowed)} (got {value!r})")
+        return dict(options)
+
+    def consume(self, capture: RequestCapture) -> dict[str, Any]:
+        options = {"layout": self.layout, "on_collision": self.on_collision, **capture.meta.options}
+        layout = options["layout"]
+        shape = self._checked_shape(capture)
+        base = capture.meta.tag or request_base(capture.meta.request_id)
+        self._check_placement(base, layout)
+        base = self._claim(base, layout, options["on_collision"])
+        meta = {**capture.meta.to_json(), "base": base, "layout": layout, "shape": shape}
+        tensors = {site: capture.tensors[site].detach().cpu().contiguous() for site in capture.meta.sites}
+        if layout == "sharded":
+            return self._write_sharded(base, tensors, meta)
+        return self._write_files(base, layout, tensors, meta)
+
+    def close(self) -> None:
+        """Publish the shard still in memory; if that fails the buffer is kept, so a second close can retry."""
+        self._flush()
+
+    # -- placement and collisions ------------------------------------------------------------------------------
+
+    def _check_placement(self, base: str, layout: str) -> None:
+        _check_inside(self.root, base)
+        if layout == "sharded":
+            return
+        segments = base.split("/")
+        if segments[0] == SHARD_DIR:
+            raise ValueError(f"tag: {SHARD_DIR!r} is reserved for the sharded layout's files")
+        # Anything written inside a per_file capture's directory would read as one of its files.
+        for depth in range(1, len(segments)):
+            if (self.root.joinpath(*segments[:depth]) / PER_FILE_SIDECAR).exists():
+                raise ValueError(f"tag: {base!r} lies inside the per_file capture {'/'.join(segments[:depth])!r}")
+
+    def _claim(self, base: str, layout: str, policy: str) -> str:
+        """The base the request is written under, after the collision policy."""
+        if not self._taken(base, layout):
+            return base
+        if policy == "suffix":
+            return next(f"{base}-{n}" for n in itertools.count(1) if not self._taken(f"{base}-{n}", layout))
+        if policy == "overwrite" and self._replaceable(base, layout):
+            return base
+        why = (
+            "overwrite replaces only a capture of the same layout and base"
+            if policy == "overwrite"
+            else "set on_collision to overwrite or suffix to write it anyway"
+        )
+        raise FileExistsError(f"capture {base!r} already exists under {self.root} ({why})")
+
+    def _taken(self, base: str, layout: str) -> bool:
+        packed_data, packed_sidecar = _packed_files(self.root, base)
+        directory = self.root / base
+        return (
+            packed_data.exists()
+            or packed_sidecar.exists()
+            or (directory / PER_FILE_SIDECAR).exists()
+            or base in self._sharded_bases
+            or (layout == "per_file" and any(_visible(directory)))
+        )
+
+    def _replaceable(self, base: str, layout: str) -> bool:
+        """Whether everything at ``base`` belongs to a capture (or the debris of one) of this layout and base."""
+        packed_data, packed_sidecar = _packed_files(self.root, base)
+        directory = self.root / base
+        per_file_sidecar = directory / PER_FILE_SIDECAR
+        if layout == "sharded":
+            return not (packed_data.exists() or packed_sidecar.exists() or per_file_sidecar.exists())
+        if base in self._sharded_bases:
+            return False
+        if layout == "packed":
+            return not per_file_sidecar.exists() and _owned_or_absent(packed_sidecar, layout, base)
+        only_own_files = all(
+            path.is_file() and (path.name == PER_FILE_SIDECAR or _is_site_file(path)) for path in _visible(directory)
+        )
+        return (
+            not (packed_data.exists() or packed_sidecar.exists())
+            and only_own_files
+            and _owned_or_absent(per_file_sidecar, layout, base)
+        )
+
+    @cached_property
+    def _sharded_bases(self) -> set[str]:
+        return set(_read_index(self.root))
+
+    def _checked_shape(self, capture: RequestCapture) -> list[int]:
+        first = next(iter(capture.tensors.values()), None)
+        shape = [len(capture.meta.positions), self.context.hidden_size if first is None else first.shape[-1]]
+        if set(capture.tensors) != set(capture.meta.sites):
+            raise ValueError(f"capture of {capture.meta.request_id!r}: tensors do not match meta.sites")
+        for site, tensor in capture.tensors.items():
+            if list(tensor.shape) != shape:
+                raise ValueError(f"capture of {capture.meta.request_id!r}: {site} is {list(tensor.shape)}, not {shape}")
+        return shape
+
+    # -- writing ---------------------------------------------------------------------------------------------
+
+    def _write_files(
+        self, base: str, layout: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any]
+    ) -> dict[str, Any]:
+        data_files, sidecar = _layout_files(self.root, layout, base, list(tensors))
+        _make_dirs(sidecar.parent)
+        # Without its sidecar an overwritten capture reads as incomplete until the new one is fully published.
+        _remove(sidecar)
+        if layout == "packed":
+            _publish(data_files[0], _safetensors_writer(tensors, meta))
+        else:
+            for path, (site, tensor) in zip(data_files, tensors.items(), strict=True):
+                _publish(path, _safetensors_writer({site: tensor}, meta))
+            for stale in {p for p in _visible(sidecar.parent) if _is_site_file(p)} - set(data_files):
+                _remove(stale)
+        _publish(sidecar, _json_writer(meta))
+        files = [*data_files, sidecar]
+        return {
+            "layout": layout,
+            "base": base,
+            "path": str(data_files[0] if layout == "packed" else sidecar.parent),
+            "files": [str(p) for p in files],
+            "bytes": sum(p.stat().st_size for p in files),
+        }
+
+    def _write_sharded(self, base: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        if self._pending and self._pending_bytes + nbytes > self.shard_bytes:
+            self._flush()
+        shard = _shard_path(self.root, self._next_shard)
+        self._pending[base] = _Pending(tensors, meta, nbytes)
+        if self._pending_bytes >= self.shard_bytes:
+            try:
+                self._flush()
+            except BaseException:
+                # Only this request fails; the buffer stays within shard_bytes for the next try.
+                del self._pending[base]
+                raise
+        self._sharded_bases.add(base)
+        return {
+            "layout": "sharded",
+            "base": base,
+            "shard": shard.name,
+            "pending": base in self._pending,
+            "path": str(shard),
+            "files": [str(shard)],
+            "bytes": nbytes,
+        }
+
+    @property
+    def _pending_bytes(self) -> int:
+        return sum(p.nbytes for p in self._pending.values())
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        shard = _shard_path(self.root, self._next_shard)
+        _make_dirs(shard.parent)
+        tensors = {f"{base}/{site}": t for base, p in self._pending.items() for site, t in p.tensors.items()}
+        records = [{**p.meta, "shard": shard.name} for p in self._pending.values()]
+        _publish(shard, _safetensors_writer(tensors, {"layout": "sharded", "requests": records}))
+        self._next_shard += 1
+        self._pending.clear()
+        _append_lines(shard.parent / INDEX_NAME, records)
+
+
+# -- naming ------------------------------------------------------------------------------------------------------
+
+
+def request_base(request_id: str) -> str:
+    """A request id as one safe file-name segment: characters other than letters, digits, '_', '.', '-' become
+    '_', a leading '.' or '-' gets a '_' prefix (so it is never hidden or '..'), at most 128 characters."""
+    safe = _UNSAFE_CHARS.sub("_", request_id)
+    if not safe or safe[0] in ".-":
+        safe = "_" + safe
+    return safe[:_MAX_SEGMENT]
+
+
+def _is_safe_base(base: str) -> bool:
+    return all(s and not s.startswith(".") and "\\" not in s and "\0" not in s for s in base.split("/"))
+
+
+def _check_inside(root: Path, base: str) -> None:
+    """Refuse a base that is absolute, has '.'/'..'/hidden segments, or leaves root through a link."""
+    if not _is_safe_base(base):
+        raise ValueError(f"tag: {base!r} is not a relative path of plain, non-hidden segments")
+    if not (root / base).resolve().is_relative_to(root.resolve()):
+        raise ValueError(f"tag: {base!r} resolves outside the capture root {root}")
+
+
+def _layout_files(root: Path, layout: str, base: str, sites: list[str]) -> tuple[list[Path], Path]:
+    """(data files, sidecar) of a per_file or packed capture."""
+    if layout == "packed":
+        data, sidecar = _packed_files(root, base)
+        return [data], sidecar
+    directory = root / base
+    return [directory / f"{site}.safetensors" for site in sites], directory / PER_FILE_SIDECAR
+
+
+def _packed_files(root: Path, base: str) -> tuple[Path, Path]:
+    return root / f"{base}.safetensors", root / f"{base}.json"
+
+
+def _shard_path(root: Path, number: int) -> Path:
+    return root / SHARD_DIR / f"shard-{number:05d}.safetensors"
+
+
+def _next_shard_number(shard_dir: Path) -> int:
+    numbers = [int(m.group(1)) for p in _visible(shard_dir) if (m := _SHARD_NAME.fullmatch(p.name))]
+    return max(numbers, default=-1) + 1
+
+
+def _is_site_file(path: Path) -> bool:
+    if path.suffix != ".safetensors":
+        return False
+    try:
+        parse_site_name(path.stem)
+    except ValueError:
+        return False
+    return True
+
+
+def _visible(directory: Path) -> list[Path]:
+    """A directory's entries other than hidden ones (temp files); none if it is not a directory."""
+    if not directory.is_dir():
+        return []
+    return [p for p in directory.iterdir() if not p.name.startswith(".")]
+
+
+# -- option checks ---------------------------------------------------------------------------------------------
+
+
+def _checked_root(value: str | None) -> str:
+    if not value:
+        raise ValueError("root: required (the directory the captures are written under)")
+    root = Path(value).expanduser().absolute()
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"root: {root} exists and is not a directory")
+    return str(root)
+
+
+def _checked_shard_mb(value: str | int) -> int:
+    try:
+        shard_mb = int(value)
+    except ValueError:
+        raise ValueError(f"shard_mb: must be a positive integer (got {value!r})") from None
+    if shard_mb <= 0:
+        raise ValueError(f"shard_mb: must be a positive integer (got {value!r})")
+    return shard_mb
+
+
+# -- durable file writes -------------------------------------------------------------------------------------------
+
+
+def _safetensors_writer(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> Callable[[Path], None]:
+    # "format": "pt" is what Hugging Face loaders expect in a torch safetensors header.
+    header = {"format": "pt", METADATA_KEY: json.dumps(meta)}
+    return lambda tmp: save_file(tensors, tmp, metadata=header)
+
+
+def _json_writer(record: dict[str, Any]) -> Callable[[Path], None]:
+    return lambda tmp: tmp.write_text(json.dumps(record, indent=1) + "\n")
+
+
+def _publish(path: Path, write: Callable[[Path], None]) -> None:
+    """Write ``path`` through ``write(temp)`` so that it appears complete or not at all, and durably."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        write(tmp)
+        _fsync_path(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_path(path.parent)
+
+
+def _append_lines(path: Path, records: list[dict[str, Any]]) -> None:
+    text = "".join(json.dumps(r) + "\n" for r in records).encode()
+    created = not path.exists()
+    with open(path, "a+b") as f:
+        # A crash mid-append leaves a partial last line: start a fresh one so it spoils no new record.
+        if f.seek(0, os.SEEK_END):
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                text = b"\n" + text
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    if created:
+        _fsync_path(path.parent)
+
+
+def _remove(path: Path) -> None:
+    if path.exists():
+        path.unlink()
+        _fsync_path(path.parent)
+
+
+def _make_dirs(path: Path) -> None:
+    """``mkdir -p`` that fsyncs the parent of each directory it creates, so the new entries survive a crash."""
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    for directory in reversed(missing):
+        directory.mkdir(exist_ok=True)
+        _fsync_path(directory.parent)
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -- reading -------------------------------------------------------------------------------------------------------
+
+
+def read_capture(
+    root: str | os.PathLike, request_or_tag: str, layout: str | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Load one complete capture: ``({site: [positions, hidden] tensor}, metadata)``.
+
+    ``request_or_tag`` is a base (as ``list_captures`` returns, or a tag) or a raw request id; ``layout`` limits
+    the search to one layout, else all are tried. Raises ``FileNotFoundError`` if no complete capture matches.
+    """
+    if layout is not None and layout not in LAYOUTS:
+        raise ValueError(f"layout: must be one of {', '.join(LAYOUTS)} (got {layout!r})")
+    root = Path(root)
+    bases = [request_or_tag] if _is_safe_base(request_or_tag) else []
+    bases += [b for b in [request_base(request_or_tag)] if b not in bases]
+    for base, name in itertools.product(bases, [layout] if layout else LAYOUTS):
+        found = _read_sharded(root, base) if name == "sharded" else _read_files(root, name, base)
+        if found is not None:
+            return found
+    raise FileNotFoundError(f"no complete capture {request_or_tag!r} under {root}")
+
+
+def list_captures(root: str | os.PathLike) -> list[str]:
+    """The bases of every complete capture under ``root`` (of any layout), sorted."""
+    root = Path(root)
+    found = set(_read_index(root))
+    for dirpath, dirnames, filenames in os.walk(root):
+        here = Path(dirpath)
+        dirnames[:] = [d for d in dirnames if not d.startswith(".") and not (here == root and d == SHARD_DIR)]
+        for name in filenames:
+            if name.endswith(".json") and not name.startswith("."):
+                meta = _read_json(here / name)
+                if meta is not None and _is_complete(root, here / name, meta):
+                    found.add(meta["base"])
+    return sorted(found)
+
+
+def _is_complete(root: Path, sidecar: Path, meta: dict[str, Any]) -> bool:
+    if meta.get("layout") not in ("packed", "per_file") or not isinstance(meta.get("base"), str):
+        return False
+    data_files, expected = _layout_files(root, meta["layout"], meta["base"], meta.get("sites", []))
+    return expected == sidecar and all(p.is_file() for p in data_files)
+
+
+def _read_files(root: Path, layout: str, base: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+    _, sidecar = _layout_files(root, layout, base, [])
+    meta = _read_json(sidecar)
+    if meta is None or not _is_complete(root, sidecar, meta) or meta["layout"] != layout:
+        return None
+    data_files, _ = _layout_files(root, layout, base, meta["sites"])
+    if layout == "packed":
+        loaded = load_file(data_files[0])
+        return {site: loaded[site] for site in meta["sites"]}, meta
+    return {site: load_file(path)[site] for site, path in zip(meta["sites"], data_files, strict=True)}, meta
+
+
+def _read_sharded(root: Path, base: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+    meta = _read_index(root).get(base)
+    if meta is None:
+        return None
+    with safe_open(root / SHARD_DIR / meta["shard"], framework="pt") as f:
+        return {site: f.get_tensor(f"{base}/{site}") for site in meta["sites"]}, meta
+
+
+def _read_index(root: Path) -> dict[str, dict[str, Any]]:
+    """The sharded captures by base: the last index line of each wins (an overwrite appends a newer one)."""
+    index = root / SHARD_DIR / INDEX_NAME
+    if not index.exists():
+        return {}
+    records: dict[str, dict[str, Any]] = {}
+    for line in index.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # the partial last line of an append cut short by a crash
+        if (root / SHARD_DIR / record["shard"]).is_file():
+            records[record["base"]] = record
+    return records
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _owned_or_absent(sidecar: Path, layout: str, base: str) -> bool:
+    if not sidecar.exists():
+        return True
+    meta = _read_json(sidecar)
+    return meta is not None and meta.get("layout") == layout and meta.get("base") == base

@@ -1,0 +1,92 @@
+"""The ``inline`` consumer: captured rows go back to the caller.
+
+Offline, ``LLM.generate(..., capture={"inline": ...})`` puts them on the output (``output.residuals``);
+over HTTP the non-streaming response carries them in ``capture_results.inline.result``. Either way the rows
+travel as one safetensors blob (tensors named by site, ``[positions, hidden]``; the capture metadata as JSON
+in the header under ``vllm_interp``), base64 over HTTP.
+"""
+
+import base64
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from safetensors.torch import load, save
+
+from vllm_interp.capture.consumer import CaptureConsumer, RequestCapture
+from vllm_interp.hooks import HOOKS, parse_site_name, site_name
+
+METADATA_KEY = "vllm_interp"
+
+
+def _site_order(name: str) -> tuple[int, int]:
+    layer, hook = parse_site_name(name)
+    return layer, HOOKS.index(hook)
+
+
+@dataclass
+class ResidualReadout:
+    """Residual rows of one request: ``readout["12.post_block"]`` is a ``[positions, hidden]`` tensor."""
+
+    positions: list[int]
+    tensors: dict[str, torch.Tensor]
+    metadata: dict[str, Any]
+
+    def __getitem__(self, site: str | tuple[int, str]) -> torch.Tensor:
+        key = site_name(*site) if isinstance(site, tuple) else site
+        if key not in self.tensors:
+            raise KeyError(f"site {key!r} was not captured; captured sites: {list(self.tensors)}")
+        return self.tensors[key]
+
+    @property
+    def sites(self) -> list[str]:
+        return list(self.tensors)
+
+    def stack(self, hook: str) -> torch.Tensor:
+        """``[layers, positions, hidden]`` for one hook, in layer order."""
+        names = [name for name in self.tensors if name.endswith(f".{hook}")]
+        if not names:
+            raise KeyError(f"hook {hook!r} was not captured")
+        return torch.stack([self.tensors[name] for name in names])
+
+    def to_bytes(self) -> bytes:
+        return save(self.tensors, metadata={METADATA_KEY: json.dumps(self.metadata)})
+
+    @classmethod
+    def from_bytes(cls, blob: bytes) -> "ResidualReadout":
+        tensors = load(blob)
+        metadata = json.loads(_header_metadata(blob).get(METADATA_KEY, "{}"))
+        ordered = {name: tensors[name] for name in sorted(tensors, key=_site_order)}
+        return cls(positions=list(metadata.get("positions", [])), tensors=ordered, metadata=metadata)
+
+    @classmethod
+    def from_result(cls, result: dict[str, Any]) -> "ResidualReadout":
+        """From the inline consumer's result: raw bytes (offline) or base64 text (HTTP)."""
+        blob = result["safetensors"]
+        return cls.from_bytes(base64.b64decode(blob) if isinstance(blob, str) else blob)
+
+
+def _header_metadata(blob: bytes) -> dict[str, str]:
+    size = int.from_bytes(blob[:8], "little")
+    return json.loads(blob[8 : 8 + size]).get("__metadata__", {})
+
+
+class InlineConsumer(CaptureConsumer):
+    name = "inline"
+
+    def consume(self, capture: RequestCapture) -> dict[str, Any]:
+        readout = ResidualReadout(capture.meta.positions, capture.tensors, capture.meta.to_json())
+        return {"safetensors": readout.to_bytes()}
+
+    @classmethod
+    def merge_results(cls, results: list[dict[str, Any]]) -> dict[str, Any]:
+        """Pipeline stages each return their own layers: one blob with all of them."""
+        parts = [ResidualReadout.from_result(r) for r in results]
+        metadata = dict(parts[0].metadata)
+        tensors = {name: t for part in parts for name, t in part.tensors.items()}
+        metadata["sites"] = sorted(tensors, key=_site_order)
+        metadata["layers"] = sorted({parse_site_name(name)[0] for name in tensors})
+        metadata["hooks"] = [hook for hook in HOOKS if any(name.endswith(f".{hook}") for name in tensors)]
+        merged = ResidualReadout(parts[0].positions, {n: tensors[n] for n in metadata["sites"]}, metadata)
+        return {"safetensors": merged.to_bytes()}

@@ -1,0 +1,128 @@
+"""Running a consumer off the forward path: one thread and one bounded queue per consumer.
+
+The queue is bounded in bytes (``queue_mb``). When a finished request's rows do not fit, the engine-wide
+``--capture-overload-policy`` decides:
+
+- ``block``: the worker waits for the consumer (decoding stalls; nothing is lost);
+- ``drop``: the request's rows are dropped for this consumer; its result is an ``error`` that counts them;
+- ``spill``: the rows wait in a safetensors file under ``spill_dir`` and are consumed, in order, later; the
+  result counts them as ``spilled``.
+"""
+
+import logging
+import os
+import tempfile
+import threading
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from safetensors.torch import load_file, save_file
+
+from vllm_interp.capture.consumer import CaptureConsumer, RequestCapture
+from vllm_interp.capture.results import ConsumerResult
+
+logger = logging.getLogger(__name__)
+
+OverloadPolicy = Literal["block", "drop", "spill"]
+
+
+@dataclass
+class _Job:
+    capture: RequestCapture
+    result: ConsumerResult  # status and counts so far; the consumer's outcome completes it
+    future: Future
+    spill_path: Path | None = None
+
+    @property
+    def queued_bytes(self) -> int:
+        return 0 if self.spill_path is not None else self.capture.nbytes
+
+
+class ConsumerRunner:
+    """Feeds one consumer instance from a queue on its own thread."""
+
+    def __init__(self, consumer: CaptureConsumer, *, policy: OverloadPolicy, queue_bytes: int,
+                 spill_dir: str | None = None) -> None:
+        self.consumer = consumer
+        self.policy = policy
+        self.queue_bytes = queue_bytes
+        self._spill_dir = Path(spill_dir) if spill_dir else None
+        self._jobs: deque[_Job | None] = deque()
+        self._queued = 0
+        self._spills = 0
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name=f"vllm-interp-capture-{consumer.context.name}",
+                                        daemon=True)
+        self._thread.start()
+
+    def submit(self, capture: RequestCapture, result: ConsumerResult) -> Future:
+        """Queue a finished request; the future resolves to its ``ConsumerResult``."""
+        job = _Job(capture, result, Future())
+        with self._cond:
+            if self._queued and self._queued + capture.nbytes > self.queue_bytes:
+                if self.policy == "drop":
+                    rows = result.rows
+                    job.future.set_result(ConsumerResult.failed(
+                        f"dropped {rows} rows: the {self.consumer.context.name} consumer's queue is full "
+                        f"({self._queued >> 20} MiB queued, queue_mb={self.queue_bytes >> 20}; overload policy drop)",
+                        dropped=rows,
+                    ))
+                    return job.future
+                if self.policy == "spill":
+                    self._spill(job)
+                else:
+                    self._cond.wait_for(lambda: not self._queued or self._queued + capture.nbytes <= self.queue_bytes)
+            self._queued += job.queued_bytes
+            self._jobs.append(job)
+            self._cond.notify_all()
+        return job.future
+
+    def close(self) -> None:
+        """Consume everything queued, then close the consumer."""
+        with self._cond:
+            self._jobs.append(None)
+            self._cond.notify_all()
+        self._thread.join()
+        self.consumer.close()
+
+    def _spill(self, job: _Job) -> None:
+        if self._spill_dir is None:
+            self._spill_dir = Path(tempfile.mkdtemp(prefix="vllm-interp-spill-"))
+        self._spill_dir.mkdir(parents=True, exist_ok=True)
+        self._spills += 1
+        path = self._spill_dir / f"{self.consumer.context.name}-{os.getpid()}-{self._spills}.safetensors"
+        save_file(job.capture.tensors, str(path))
+        job.capture = RequestCapture(job.capture.meta, {})
+        job.spill_path = path
+        job.result = job.result.model_copy(update={"spilled": job.result.rows})
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: bool(self._jobs))
+                job = self._jobs.popleft()
+            if job is None:
+                return
+            result = self._consume(job)
+            # Room first, then the result: a caller that sees the result may submit again at once.
+            with self._cond:
+                self._queued -= job.queued_bytes
+                self._cond.notify_all()
+            job.future.set_result(result)
+
+    def _consume(self, job: _Job) -> ConsumerResult:
+        try:
+            capture = job.capture
+            if job.spill_path is not None:
+                loaded = load_file(str(job.spill_path))  # in name order: restore the documented site order
+                capture = RequestCapture(capture.meta, {site: loaded[site] for site in capture.meta.sites})
+                job.spill_path.unlink()
+            payload = self.consumer.consume(capture)
+        except Exception as exc:  # a consumer's failure is its request's result, never the engine's
+            logger.warning("capture consumer %s failed on request %s: %s", self.consumer.context.name,
+                           job.capture.meta.request_id, exc)
+            return ConsumerResult.failed(f"{type(exc).__name__}: {exc}", dropped=job.result.rows)
+        return job.result.model_copy(update={"result": payload})

@@ -1,0 +1,178 @@
+"""The capture spec: which residual rows of a request go to which consumer.
+
+Wire format (a request's ``capture`` field, and a global spec)::
+
+    {consumer_name: {"hooks": {hook: [layers] | "all"} | "all",
+                     "positions": "last_prompt" | "all_prompt" | "all_generated" | "all" | [ints],
+                     "tag": str?, ...consumer options}}
+
+``validate_capture_spec`` is the one validation, used by the HTTP layer, the offline API and the worker.
+Options other than ``hooks``/``positions``/``tag`` belong to the consumer and are checked by its
+``validate_options``. Positions are absolute token indices (prompt then generated tokens); the last
+generated token is never fed through the model, so it has no residual.
+"""
+
+import re
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError, field_validator
+
+from vllm_interp.hooks import HOOKS, Hook, site_name
+
+PositionKeyword = Literal["all", "all_prompt", "last_prompt", "all_generated"]
+# A tag names files and directories: path segments of safe characters, never "." or "..".
+_TAG_SEGMENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
+MAX_TAG_LENGTH = 256
+
+
+class CaptureSpecError(ValueError):
+    """A capture spec the engine cannot apply; the message starts with the offending field's path."""
+
+
+class ConsumerSpec(BaseModel):
+    """What one consumer captures for one request (consumer options ride along as extra fields)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    hooks: dict[Hook, list[int] | Literal["all"]] | Literal["all"] = "all"
+    positions: list[StrictInt] | PositionKeyword = "last_prompt"
+    tag: str | None = None
+
+    @field_validator("hooks")
+    @classmethod
+    def _some_hooks(cls, value: dict[str, Any] | str) -> dict[str, Any] | str:
+        if value == "all":
+            return value
+        if not value:
+            raise ValueError("name at least one hook")
+        for layers in value.values():
+            if isinstance(layers, list) and not layers:
+                raise ValueError("a hook's layer list must not be empty")
+        return value
+
+    @field_validator("positions")
+    @classmethod
+    def _positions(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            if not value:
+                raise ValueError("must not be empty")
+            if len(set(value)) != len(value):
+                raise ValueError("must not repeat entries")
+            if min(value) < 0:
+                raise ValueError("positions are absolute token indices and must be >= 0")
+        return value
+
+    @field_validator("tag")
+    @classmethod
+    def _tag(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        segments = value.split("/")
+        if len(value) > MAX_TAG_LENGTH or not all(_TAG_SEGMENT.fullmatch(s) for s in segments):
+            raise ValueError(
+                "must be '/'-separated segments of letters, digits, '_', '-', '.', each starting with a letter, "
+                f"digit or '_' (no '..', no absolute paths), at most {MAX_TAG_LENGTH} characters"
+            )
+        return value
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The consumer's own options (every field that is not hooks/positions/tag)."""
+        return dict(self.model_extra or {})
+
+    def sites(self, num_layers: int) -> list[tuple[int, Hook]]:
+        """(layer, hook) pairs in layer-major, hook order: the order of tensors in every result."""
+        hooks = dict.fromkeys(HOOKS, "all") if self.hooks == "all" else self.hooks
+        chosen = {
+            (layer, hook)
+            for hook, layers in hooks.items()
+            for layer in (range(num_layers) if layers == "all" else layers)
+        }
+        return sorted(chosen, key=lambda site: (site[0], HOOKS.index(site[1])))
+
+    def site_names(self, num_layers: int) -> list[str]:
+        return [site_name(layer, hook) for layer, hook in self.sites(num_layers)]
+
+    def select(self, positions: np.ndarray, prompt_len: int) -> np.ndarray:
+        """Boolean mask over ``positions``: which of them this spec captures."""
+        match self.positions:
+            case "all":
+                return np.ones(positions.shape, dtype=bool)
+            case "all_prompt":
+                return positions < prompt_len
+            case "last_prompt":
+                return positions == prompt_len - 1
+            case "all_generated":
+                return positions >= prompt_len
+            case explicit:
+                return np.isin(positions, explicit)
+
+    def expected_positions(self, prompt_len: int, num_computed: int) -> list[int]:
+        """Positions captured once ``num_computed`` tokens of the sequence went through the model."""
+        computed = np.arange(num_computed)
+        return computed[self.select(computed, prompt_len)].tolist()
+
+    def needs_prompt_prefix(self, prompt_len: int) -> bool:
+        """Whether the spec captures prompt positions before the last one: those may be served from the
+        prefix cache (vLLM always computes the last prompt token), so the request must bypass it."""
+        return bool(self.select(np.arange(max(prompt_len - 1, 0)), prompt_len).any())
+
+
+CaptureSpec = dict[str, ConsumerSpec]
+
+
+def _is_type_tag(part: Any) -> bool:
+    """Pydantic's loc names union members and key checks ("list[int]", "[key]"); users know fields only."""
+    return isinstance(part, str) and ("[" in part or part.startswith(("literal", "function")))
+
+
+def _field_error(exc: ValidationError, prefix: str) -> CaptureSpecError:
+    first = exc.errors()[0]
+    path = ".".join(str(p) for p in first["loc"] if not _is_type_tag(p))
+    return CaptureSpecError(f"{prefix}{'.' + path if path else ''}: {first['msg']}")
+
+
+def validate_capture_spec(
+    raw: Any, *, num_layers: int, consumers: Mapping[str, Any], field: str = "capture"
+) -> CaptureSpec:
+    """Parse and check a capture spec against the model and the engine's enabled consumers.
+
+    ``consumers`` maps each enabled consumer name to its class (whose ``validate_options`` checks the
+    consumer's own options). Errors name the field, e.g. ``capture.filesystem.hooks.post_block``.
+    """
+    if not isinstance(raw, Mapping) or not raw:
+        raise CaptureSpecError(f"{field}: expected an object mapping consumer names to specs")
+    spec: CaptureSpec = {}
+    for name, entry in raw.items():
+        prefix = f"{field}.{name}"
+        if name not in consumers:
+            enabled = ", ".join(sorted(consumers)) or "none"
+            raise CaptureSpecError(f"{prefix}: consumer not enabled on this engine (enabled: {enabled})")
+        try:
+            parsed = ConsumerSpec.model_validate(entry)
+        except ValidationError as exc:
+            raise _field_error(exc, prefix) from None
+        for hook, layers in (parsed.hooks if parsed.hooks != "all" else {}).items():
+            if layers != "all":
+                bad = [layer for layer in layers if not 0 <= layer < num_layers]
+                if bad:
+                    raise CaptureSpecError(
+                        f"{prefix}.hooks.{hook}: layers {bad} out of range for a model with {num_layers} layers"
+                    )
+        try:
+            options = consumers[name].validate_options(parsed.options)
+        except ValueError as exc:
+            raise CaptureSpecError(f"{prefix}.{exc}") from None
+        spec[name] = parsed.model_copy(update=options) if options != parsed.options else parsed
+    return spec
+
+
+def spec_to_wire(spec: CaptureSpec) -> dict[str, Any]:
+    return {name: entry.model_dump(mode="json") for name, entry in spec.items()}
+
+
+def spec_from_wire(wire: Mapping[str, Any]) -> CaptureSpec:
+    """Rebuild an already-validated spec (worker side: the frontend validated it)."""
+    return {name: ConsumerSpec.model_validate(entry) for name, entry in wire.items()}

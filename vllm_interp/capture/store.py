@@ -1,0 +1,247 @@
+"""Worker side of capture: rows gathered after each step, handed to consumers when a request finishes.
+
+Rows are kept by absolute position, so chunked prefill spreads a request's rows over steps and a preempted
+request that is recomputed overwrites the positions it already had: consumers see each position once. A
+request is finalized either when the caller asks for its results (``results``, by capture key, with the
+final sequence length) or when the scheduler reports it finished (``finish``: aborts, streaming requests,
+global captures); whichever comes first.
+"""
+
+import logging
+import re
+from concurrent.futures import Future, wait
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_interp.capture.consumer import CaptureMeta, RequestCapture
+from vllm_interp.capture.dispatch import ConsumerRunner
+from vllm_interp.capture.results import ConsumerResult
+from vllm_interp.capture.spec import CaptureSpec, spec_from_wire
+from vllm_interp.engine.row_plan import ReadPlan
+from vllm_interp.hooks import HOOK_INDEX, HOOKS, site_name
+from vllm_interp.models.registry import SiteBank
+from vllm_interp.request_args import interp_args
+
+logger = logging.getLogger(__name__)
+# vLLM 0.26's InputProcessor.assign_request_id appends "-<8 hex>" to the caller's request id.
+_INTERNAL_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
+
+
+def external_request_id(req_id: str) -> str:
+    return _INTERNAL_SUFFIX.sub("", req_id)
+
+
+@dataclass
+class _Entry:
+    req_id: str
+    key: str | None  # set when the caller fetches results
+    specs: CaptureSpec
+    prompt_len: int
+    sites: list[tuple[int, int]]  # (layer, hook index) any consumer wants, held on this rank
+    rows: dict[int, torch.Tensor] = field(default_factory=dict)  # position -> [len(sites), hidden]
+    num_computed: int = 0
+    overflow: int = 0
+
+    def select(self, positions: np.ndarray) -> np.ndarray:
+        masks = [spec.select(positions, self.prompt_len) for spec in self.specs.values()]
+        return np.logical_or.reduce(masks)
+
+
+@dataclass
+class _PendingCopy:
+    """A step's rows on their way to host memory (``event`` is None on the CPU)."""
+
+    host: torch.Tensor  # [union sites, rows, hidden]
+    sites: list[tuple[int, int]]
+    plan: ReadPlan
+    event: Any
+
+
+class CaptureStore:
+    def __init__(self, bank: SiteBank, *, num_layers: int, max_rows: int, model: str,
+                 consumers: dict[str, ConsumerRunner], global_spec: CaptureSpec) -> None:
+        self.bank = bank
+        self.num_layers = num_layers
+        self.max_rows = max_rows
+        self.model = model
+        self.consumers = consumers
+        self.global_spec = global_spec
+        self._held = set(bank.layers)
+        self._entries: dict[str, _Entry | None] = {}
+        self._finalized: set[str] = set()  # by a results call, before the scheduler reported them finished
+        self._by_key: dict[str, str] = {}
+        self._results: dict[str, dict[str, Future]] = {}
+        self._pending: list[_PendingCopy] = []
+
+    # -- planning ---------------------------------------------------------------------------------------
+    def lookup(self, req_id: str, extra_args: dict[str, Any] | None, prompt_len: int) -> _Entry | None:
+        if req_id in self._entries:
+            return self._entries[req_id]
+        if req_id in self._finalized:
+            return None
+        args = interp_args(extra_args)
+        specs = {**self.global_spec, **spec_from_wire(args.get("capture") or {})}
+        entry = None
+        # Ranks without consumers (tensor-parallel ranks other than 0) capture nothing.
+        if specs and self.consumers:
+            wanted = {site for spec in specs.values() for site in spec.sites(self.num_layers)}
+            sites = sorted((layer, HOOK_INDEX[hook]) for layer, hook in wanted if layer in self._held)
+            entry = _Entry(req_id, args.get("capture_key"), specs, prompt_len, sites)
+            if entry.key is not None:
+                self._by_key[entry.key] = req_id
+        self._entries[req_id] = entry
+        return entry
+
+    def note_progress(self, entry: _Entry, num_computed: int) -> None:
+        entry.num_computed = max(entry.num_computed, num_computed)
+
+    def load_rows(self, plan: ReadPlan) -> None:
+        if plan.num_rows:
+            self.bank.rows[: plan.num_rows].copy_(torch.from_numpy(plan.rows), non_blocking=True)
+
+    # -- after the forward ------------------------------------------------------------------------------
+    def collect(self, plan: ReadPlan) -> None:
+        """Start copying this step's rows off the device: only the planned rows of the sites some request
+        of the step wants, in one transfer, without waiting for it."""
+        for req_id, count in plan.overflow.items():
+            self._entries[req_id].overflow += count
+        sites = sorted({site for reads in plan.reads for site in self._entries[reads.req_id].sites})
+        if not sites or not plan.num_rows:
+            return
+        block = torch.stack([self.bank.outs[layer][hook, : plan.num_rows] for layer, hook in sites])
+        if block.is_cuda:
+            host = torch.empty(block.shape, dtype=block.dtype, pin_memory=True)
+            host.copy_(block, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host, event = block, None
+        self._pending.append(_PendingCopy(host, sites, plan, event))
+
+    def _drain(self) -> None:
+        """File the rows of finished copies under their requests (waits for copies still in flight)."""
+        for copy in self._pending:
+            if copy.event is not None:
+                copy.event.synchronize()
+            column = {site: i for i, site in enumerate(copy.sites)}
+            for reads in copy.plan.reads:
+                entry = self._entries.get(reads.req_id)
+                if entry is None or not entry.sites:
+                    continue
+                stop = reads.slot_start + len(reads.positions)
+                index = torch.tensor([column[site] for site in entry.sites])
+                block = copy.host[:, reads.slot_start : stop].index_select(0, index)  # [sites, k, hidden]
+                for j, position in enumerate(reads.positions.tolist()):
+                    entry.rows[position] = block[:, j]
+        self._pending.clear()
+
+    # -- finishing --------------------------------------------------------------------------------------
+    def finish(self, finished_req_ids: set[str]) -> None:
+        """The scheduler reported these requests finished (normally or aborted)."""
+        if not finished_req_ids:
+            return
+        self._drain()
+        for req_id in finished_req_ids:
+            entry = self._entries.pop(req_id, None)
+            self._finalized.discard(req_id)
+            if entry is not None:
+                self._finalize(entry, None)
+
+    def results(self, lengths: dict[str, int], wait_s: float) -> dict[str, dict[str, dict[str, Any]]]:
+        """Results of the requests with these capture keys (``lengths``: key -> final sequence length).
+
+        Finalizes requests not finalized yet, waits up to ``wait_s`` for their consumers, and returns (and
+        forgets) the results of those whose consumers all finished; the caller asks again for the rest.
+        """
+        self._drain()
+        for key, length in lengths.items():
+            req_id = self._by_key.get(key)
+            entry = self._entries.get(req_id) if req_id is not None else None
+            if entry is not None:
+                self._entries[req_id] = None
+                self._finalized.add(req_id)
+                self._finalize(entry, length)
+        asked = [f for key in lengths for f in self._results.get(key, {}).values()]
+        if wait_s > 0:
+            wait(asked, timeout=wait_s)
+        done = {}
+        for key in lengths:
+            futures = self._results.get(key)
+            if futures is None:
+                # Never seen here: the request never ran a step on this worker, or this rank captures nothing.
+                done[key] = {}
+                continue
+            if all(f.done() for f in futures.values()):
+                del self._results[key]
+                self._by_key.pop(key, None)
+                done[key] = {name: f.result().model_dump() for name, f in futures.items()}
+        return done
+
+    def _finalize(self, entry: _Entry, length: int | None) -> None:
+        # The last sampled token is never fed back: with the final length known, rows past it (an async
+        # scheduler's step that ran past a stop) are not part of the request.
+        computed = entry.num_computed if length is None else min(entry.num_computed, max(length - 1, 0))
+        futures = {}
+        for name, spec in entry.specs.items():
+            sites = [(layer, HOOK_INDEX[hook]) for layer, hook in spec.sites(self.num_layers) if layer in self._held]
+            if not sites:
+                continue  # another pipeline stage holds this consumer's layers
+            futures[name] = self._submit(name, spec, entry, sites, computed)
+        if entry.key is not None:
+            self._results[entry.key] = futures
+        else:
+            for name, future in futures.items():
+                future.add_done_callback(lambda f, n=name, r=entry.req_id: _log_failure(n, r, f.result()))
+
+    def _submit(self, name: str, spec: Any, entry: _Entry, sites: list[tuple[int, int]], computed: int) -> Future:
+        expected = spec.expected_positions(entry.prompt_len, computed)
+        if isinstance(spec.positions, list):
+            beyond = sorted(set(spec.positions) - set(expected))
+            if beyond:
+                return _resolved(ConsumerResult.failed(
+                    f"positions {beyond} were never computed: the sequence went through the model for {computed} "
+                    "tokens (the last generated token is never fed back)"
+                ))
+        present = [p for p in expected if p in entry.rows]
+        message = None
+        dropped = (len(expected) - len(present)) * len(sites)
+        if entry.overflow:
+            message = (f"{entry.overflow} rows did not fit the per-step capture buffer (max_capture_rows="
+                       f"{self.max_rows}); raise it or lower max_num_batched_tokens")
+        elif dropped:
+            missing = sorted(set(expected) - set(present))
+            message = f"positions {missing[:8]}{'...' if len(missing) > 8 else ''} were not computed by this engine"
+        column = {site: i for i, site in enumerate(entry.sites)}
+        names = [site_name(layer, HOOKS[hook]) for layer, hook in sites]
+        hidden = self.bank.outs[self.bank.layers[0]].shape[-1]
+        tensors = {
+            n: torch.stack([entry.rows[p][column[site]] for p in present]) if present
+            else torch.empty(0, hidden, dtype=self.bank.outs[self.bank.layers[0]].dtype)
+            for n, site in zip(names, sites, strict=True)
+        }
+        meta = CaptureMeta(
+            request_id=external_request_id(entry.req_id), tag=spec.tag, model=self.model,
+            prompt_len=entry.prompt_len, positions=present, sites=names,
+            dtype=str(self.bank.outs[self.bank.layers[0]].dtype).removeprefix("torch."), options=spec.options,
+        )
+        status = "partial_error" if message else "ok"
+        base = ConsumerResult(status=status, message=message, rows=len(present) * len(sites), dropped=dropped)
+        return self.consumers[name].submit(RequestCapture(meta, tensors), base)
+
+    def close(self) -> None:
+        for runner in self.consumers.values():
+            runner.close()
+
+
+def _resolved(result: ConsumerResult) -> Future:
+    future: Future = Future()
+    future.set_result(result)
+    return future
+
+
+def _log_failure(consumer: str, req_id: str, result: ConsumerResult) -> None:
+    if result.status != "ok":
+        logger.warning("capture of request %s by %s: %s (%s)", req_id, consumer, result.status, result.message)
