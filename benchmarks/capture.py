@@ -50,8 +50,10 @@ def sequential_write(path: Path, data: bytes) -> float:
     return time.perf_counter() - start
 
 
-def filesystem_rates(root: Path, requests: int, positions: int, sites: int, hidden: int) -> list[tuple]:
-    """(layout, MB/s through the consumer, MB/s of a plain sequential write of the same bytes)."""
+def filesystem_rates(root: Path, requests: int, positions: int, sites: int, hidden: int,
+                     repeats: int) -> list[tuple]:
+    """(layout, MB/s through the consumer, MB/s of a plain sequential write of the same bytes), medians; the
+    plain write runs right before each consumer pass so both see the same disk state."""
     names = [f"{layer}.post_block" for layer in range(sites)]
     captures = [
         RequestCapture(
@@ -62,21 +64,24 @@ def filesystem_rates(root: Path, requests: int, positions: int, sites: int, hidd
         for i in range(requests)
     ]
     total = sum(c.nbytes for c in captures)
+    root.mkdir(parents=True, exist_ok=True)
+    blob = b"".join(t.numpy().tobytes() for c in captures for t in c.tensors.values())
     rows = []
     for layout in ("packed", "per_file", "sharded"):
-        target = root / layout
-        shutil.rmtree(target, ignore_errors=True)
-        options = FilesystemConsumer.validate_engine_options({"root": str(target), "layout": layout})
-        consumer = FilesystemConsumer(ConsumerContext(name="filesystem", options=options, model="bench",
-                                                      num_layers=sites, hidden_size=hidden))
-        start = time.perf_counter()
-        for capture in captures:
-            consumer.consume(capture)
-        consumer.close()  # sharded: publishes the last shard
-        elapsed = time.perf_counter() - start
-        blob = b"".join(t.numpy().tobytes() for c in captures for t in c.tensors.values())
-        plain = sequential_write(root / f"plain-{layout}.bin", blob)
-        rows.append((layout, total / elapsed / 1e6, total / plain / 1e6))
+        consumer_s, plain_s = [], []
+        for _ in range(repeats):
+            target = root / layout
+            shutil.rmtree(target, ignore_errors=True)
+            plain_s.append(sequential_write(root / "plain.bin", blob))
+            options = FilesystemConsumer.validate_engine_options({"root": str(target), "layout": layout})
+            consumer = FilesystemConsumer(ConsumerContext(name="filesystem", options=options, model="bench",
+                                                          num_layers=sites, hidden_size=hidden))
+            start = time.perf_counter()
+            for capture in captures:
+                consumer.consume(capture)
+            consumer.close()  # sharded: publishes the last shard
+            consumer_s.append(time.perf_counter() - start)
+        rows.append((layout, total / statistics.median(consumer_s) / 1e6, total / statistics.median(plain_s) / 1e6))
     return rows
 
 
@@ -106,8 +111,6 @@ def main() -> None:
                                                                capture={consumer: spec})
     hidden = llm.llm_engine.model_config.get_hidden_size()
     llm.shutdown()
-    disk = filesystem_rates(root / "layouts", requests=64, positions=64, sites=layers, hidden=hidden)
-    shutil.rmtree(root, ignore_errors=True)
 
     print(f"\nmodel {model}, {len(prompts)} prompts x {args.max_tokens} tokens, dtype {args.dtype}, "
           f"enforce_eager={args.enforce_eager}")
@@ -116,8 +119,13 @@ def main() -> None:
     for name, rate in results.items():
         reference = baseline if name.startswith("(a)") else results["(a) not capturing"]
         print(f"{name:<46}{rate:>10.1f}{rate / reference:>8.3f}")
-    print("(b) ratios are against (a): the same engine, requests not capturing")
-    print(f"\n(c) filesystem consumer, 64 requests x 64 positions x {layers} sites x {hidden} fp32")
+    print("(b) ratios are against (a): the same engine, requests not capturing", flush=True)
+
+    disk = filesystem_rates(root / "layouts", requests=64, positions=64, sites=layers, hidden=hidden,
+                            repeats=args.repeats)
+    shutil.rmtree(root, ignore_errors=True)
+    print(f"\n(c) filesystem consumer, 64 requests x 64 positions x {layers} sites x {hidden} fp32, "
+          f"median of {args.repeats}; plain = one file written sequentially, then fsync")
     print(f"{'layout':<12}{'MB/s':>10}{'plain write MB/s':>18}{'ratio':>8}")
     for layout, rate, plain in disk:
         print(f"{layout:<12}{rate:>10.1f}{plain:>18.1f}{rate / plain:>8.3f}")

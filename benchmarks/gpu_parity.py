@@ -54,7 +54,7 @@ def main() -> None:
     start = time.perf_counter()
     llm = LLM(str(path), dtype="float32", enforce_eager=args.eager, attention_backend="TRITON_ATTN",
               skip_tokenizer_init=True, max_model_len=512, max_num_batched_tokens=16, max_num_seqs=8,
-              gpu_memory_utilization=0.3, max_capture_rows=64, seed=0)
+              gpu_memory_utilization=0.3, seed=0)
     init_s = time.perf_counter() - start
     sequences, readouts = engine_sequences_and_readouts(llm, prompts, max_tokens=6)
     mode = llm.llm_engine.vllm_config.compilation_config.cudagraph_mode

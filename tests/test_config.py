@@ -17,7 +17,7 @@ def test_hash_changes_with_anything_that_shapes_the_graph():
     inline = ("inline",)
     base = InterpConfig(capture_consumers=inline)
     assert base.compute_hash() == InterpConfig(capture_consumers=inline).compute_hash()
-    assert base.compute_hash() != InterpConfig(capture_consumers=inline, max_capture_rows=64).compute_hash()
+    assert base.compute_hash() != InterpConfig(capture_consumers=inline, max_steering_configs=2).compute_hash()
     assert base.compute_hash() != InterpConfig(capture_consumers=inline, package_version="9.9").compute_hash()
 
 

@@ -28,3 +28,15 @@ def test_openai_client_steering_example(server):
     texts = _load("steering_openai_client").main(url, API_KEY)
     assert texts["after clear"] == texts["unsteered"]
     assert texts["inline"] == texts["inline packed"] == texts["named"] == texts["global"]
+
+
+def test_offline_capture_example(smollm2_llm, capture_root):
+    probe = _load("capture_offline").main(smollm2_llm, str(capture_root))
+    assert probe["layers"] == 30 and probe["max_norm"] > 0
+
+
+def test_openai_client_capture_example(server):
+    url, _ = server
+    out = _load("capture_openai_client").main(url)
+    assert out["text"].startswith(" Paris")
+    assert out["sites"] == ["10.post_block", "20.post_block"] and out["shape"][1] == 576

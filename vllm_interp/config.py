@@ -10,8 +10,7 @@ from vllm_interp.hooks import HOOKS
 ADDITIONAL_CONFIG_KEY = "vllm_interp"
 # Bumped whenever the installed hook sites (their placement or the ops they call) change, so that vLLM's
 # compile cache, keyed on additional_config, never reuses a graph traced with other hooks.
-SITE_SCHEME = "residual-sites/2:" + ",".join(HOOKS)
-DEFAULT_MAX_CAPTURE_ROWS = 512
+SITE_SCHEME = "residual-sites/3:" + ",".join(HOOKS)
 # The capture overload policies (vllm_interp.capture.dispatch); kept here so the config has no torch import.
 OVERLOAD_POLICIES = ("block", "drop", "spill")
 DEFAULT_MAX_STEERING_CONFIGS = 8
@@ -42,14 +41,10 @@ class InterpConfig:
     # A capture spec (JSON) applied to every request, besides the request's own.
     capture_global: str = ""
     capture_overload_policy: str = "block"
-    # Rows one forward step may capture; sizes the per-layer capture buffers (3 x rows x hidden each).
-    max_capture_rows: int = DEFAULT_MAX_CAPTURE_ROWS
     package_version: str = ""
     site_scheme: str = SITE_SCHEME
 
     def __post_init__(self) -> None:
-        if self.max_capture_rows < 1:
-            raise ValueError(f"max_capture_rows must be >= 1, got {self.max_capture_rows}")
         if self.max_steering_configs < 1:
             raise ValueError(f"max_steering_configs must be >= 1, got {self.max_steering_configs}")
         if self.capture_overload_policy not in OVERLOAD_POLICIES:

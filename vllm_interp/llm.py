@@ -14,7 +14,7 @@ from vllm_interp.capture.plugins import consumer_class
 from vllm_interp.capture.results import ConsumerResult, ResultCollector
 from vllm_interp.capture.spec import CaptureSpec, spec_to_wire, validate_capture_spec
 from vllm_interp.compat import check_vllm_version
-from vllm_interp.config import DEFAULT_MAX_CAPTURE_ROWS, DEFAULT_MAX_STEERING_CONFIGS, InterpConfig
+from vllm_interp.config import DEFAULT_MAX_STEERING_CONFIGS, InterpConfig
 from vllm_interp.default_model import resolve_model
 from vllm_interp.engine.args import check_model_architecture, interp_engine_args
 from vllm_interp.request_args import EXTRA_ARGS_KEY
@@ -49,7 +49,6 @@ class LLM(vllm.LLM):
         capture_consumers: Sequence[str] = ("inline",),
         capture_global: dict[str, Any] | None = None,
         capture_overload_policy: str = "block",
-        max_capture_rows: int = DEFAULT_MAX_CAPTURE_ROWS,
         enable_steering: bool = False,
         max_steering_configs: int = DEFAULT_MAX_STEERING_CONFIGS,
         enable_patching: bool = False,
@@ -64,7 +63,6 @@ class LLM(vllm.LLM):
             capture_consumers=tuple(capture_consumers),
             capture_global=json.dumps(capture_global) if capture_global else "",
             capture_overload_policy=capture_overload_policy,
-            max_capture_rows=max_capture_rows,
         )
         if self.interp_config.hooks_needed:
             check_model_architecture(

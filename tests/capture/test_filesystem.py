@@ -407,3 +407,21 @@ def test_a_writer_killed_mid_write_leaves_nothing_that_looks_complete(tmp_path):
     small = make_capture(tag="big")
     make_consumer(tmp_path).consume(small)
     assert list_captures(tmp_path) == ["big"]
+
+
+@pytest.mark.parametrize("layout", ["packed", "per_file", "sharded"])
+def test_pipeline_stages_write_their_own_layers_and_read_back_as_one(tmp_path, layout):
+    whole = make_capture(tag="pp/run")
+    stage_sites = [["3.pre_attn", "3.post_block"], ["7.post_attn"]]
+    validated = FilesystemConsumer.validate_engine_options({"root": str(tmp_path), "layout": layout})
+    for rank, sites in enumerate(stage_sites):
+        context = ConsumerContext("filesystem", validated, "tiny-model", num_layers=8, hidden_size=HIDDEN,
+                                  pipeline_rank=rank, pipeline_size=2)
+        consumer = FilesystemConsumer(context)
+        meta = CaptureMeta(**{**whole.meta.__dict__, "sites": sites})
+        consumer.consume(RequestCapture(meta, {site: whole.tensors[site] for site in sites}))
+        consumer.close()
+    tensors, meta = read_capture(tmp_path, "pp/run")
+    assert_same_tensors(tensors, whole)
+    assert meta["sites"] == SITES and meta["layers"] == [3, 7]
+    assert list_captures(tmp_path) == ["pp/run"]

@@ -18,26 +18,19 @@ def test_batch_slices_follow_the_flattened_layout():
 
 def test_plan_maps_positions_to_rows_in_batch_order():
     wanted = {"a": {20, 31}, "b": {40}, "c": {0, 4}}
-    plan = plan_reads(_slices(), lambda req, pos: np.isin(pos, list(wanted[req])), capacity=8)
+    plan = plan_reads(_slices(), lambda req, pos: np.isin(pos, list(wanted[req])))
     assert plan.rows.tolist() == [4, 15, 16, 17, 21]
     assert [(r.req_id, r.slot_start, r.positions.tolist()) for r in plan.reads] == [
         ("a", 0, [20, 31]),
         ("b", 2, [40]),
         ("c", 3, [0, 4]),
     ]
-    assert plan.overflow == {}
 
 
 def test_requests_without_reads_take_no_slots():
-    plan = plan_reads(_slices(), lambda req, pos: None if req != "b" else np.ones(len(pos), bool), capacity=8)
+    plan = plan_reads(_slices(), lambda req, pos: None if req != "b" else np.ones(len(pos), bool))
     assert plan.rows.tolist() == [16]
     assert plan.num_rows == 1
-
-
-def test_overflow_is_counted_not_dropped_silently():
-    plan = plan_reads(_slices(), lambda req, pos: np.ones(len(pos), bool), capacity=10)
-    assert plan.num_rows == 10
-    assert plan.overflow == {"a": 6, "b": 1, "c": 5}
 
 
 def test_steering_rows_follow_each_tokens_phase():
@@ -47,8 +40,7 @@ def test_steering_rows_follow_each_tokens_phase():
     from vllm_interp.steering.tables import FIRST_SLOT_ROW, GLOBAL_ROWS, SteeringTables
     from vllm_interp.steering.vectors import SteeringVectors
 
-    bank = SiteBank(rows=torch.zeros(1, dtype=torch.long), outs={}, steer_index=torch.zeros(32, dtype=torch.long),
-                    steer_tables={0: torch.zeros(3, 7, 4)})
+    bank = SiteBank(layers=[0], steer_index=torch.zeros(32, dtype=torch.long), steer_tables={0: torch.zeros(3, 7, 4)})
     tables = SteeringTables(bank, max_configs=2)
     vectors = SteeringVectors({"decode": {"0.post_block": np.ones(4, np.float32)}})
     slot = tables.lookup("b", {"vllm_interp": {"steering": {"vectors": vectors.to_wire(), "digest": "d"}}})

@@ -38,7 +38,8 @@ class ConsumerContext:
     model: str
     num_layers: int
     hidden_size: int
-    pipeline_rank: int = 0
+    pipeline_rank: int = 0  # this stage; it holds only its own layers of every request
+    pipeline_size: int = 1
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from vllm_interp.capture.spec import CaptureSpec, spec_from_wire
 from vllm_interp.engine.row_plan import ReadPlan
 from vllm_interp.hooks import HOOK_INDEX, HOOKS, site_name
 from vllm_interp.models.registry import SiteBank
+from vllm_interp.models.site_ops import StepReads
 from vllm_interp.request_args import interp_args
 
 logger = logging.getLogger(__name__)
@@ -43,7 +44,6 @@ class _Entry:
     sites: list[tuple[int, int]]  # (layer, hook index) any consumer wants, held on this rank
     rows: dict[int, torch.Tensor] = field(default_factory=dict)  # position -> [len(sites), hidden]
     num_computed: int = 0
-    overflow: int = 0
 
     def select(self, positions: np.ndarray) -> np.ndarray:
         masks = [spec.select(positions, self.prompt_len) for spec in self.specs.values()]
@@ -61,11 +61,10 @@ class _PendingCopy:
 
 
 class CaptureStore:
-    def __init__(self, bank: SiteBank, *, num_layers: int, max_rows: int, model: str,
-                 consumers: dict[str, ConsumerRunner], global_spec: CaptureSpec) -> None:
+    def __init__(self, bank: SiteBank, *, num_layers: int, model: str, consumers: dict[str, ConsumerRunner],
+                 global_spec: CaptureSpec) -> None:
         self.bank = bank
         self.num_layers = num_layers
-        self.max_rows = max_rows
         self.model = model
         self.consumers = consumers
         self.global_spec = global_spec
@@ -98,20 +97,18 @@ class CaptureStore:
     def note_progress(self, entry: _Entry, num_computed: int) -> None:
         entry.num_computed = max(entry.num_computed, num_computed)
 
-    def load_rows(self, plan: ReadPlan) -> None:
-        if plan.num_rows:
-            self.bank.rows[: plan.num_rows].copy_(torch.from_numpy(plan.rows), non_blocking=True)
+    def site_reads(self, plan: ReadPlan, device: torch.device) -> StepReads | None:
+        """What the site ops read this step: the planned rows, at the sites some request of the step wants."""
+        sites = frozenset(site for reads in plan.reads for site in self._entries[reads.req_id].sites)
+        if not sites:
+            return None
+        return StepReads(torch.from_numpy(plan.rows).to(device, non_blocking=True), sites)
 
     # -- after the forward ------------------------------------------------------------------------------
-    def collect(self, plan: ReadPlan) -> None:
-        """Start copying this step's rows off the device: only the planned rows of the sites some request
-        of the step wants, in one transfer, without waiting for it."""
-        for req_id, count in plan.overflow.items():
-            self._entries[req_id].overflow += count
-        sites = sorted({site for reads in plan.reads for site in self._entries[reads.req_id].sites})
-        if not sites or not plan.num_rows:
-            return
-        block = torch.stack([self.bank.outs[layer][hook, : plan.num_rows] for layer, hook in sites])
+    def collect(self, plan: ReadPlan, reads: StepReads) -> None:
+        """Start copying this step's rows off the device, in one transfer, without waiting for it."""
+        sites = sorted(reads.out)
+        block = torch.stack([reads.out[site] for site in sites])
         if block.is_cuda:
             host = torch.empty(block.shape, dtype=block.dtype, pin_memory=True)
             host.copy_(block, non_blocking=True)
@@ -208,24 +205,21 @@ class CaptureStore:
         present = [p for p in expected if p in entry.rows]
         message = None
         dropped = (len(expected) - len(present)) * len(sites)
-        if entry.overflow:
-            message = (f"{entry.overflow} rows did not fit the per-step capture buffer (max_capture_rows="
-                       f"{self.max_rows}); raise it or lower max_num_batched_tokens")
-        elif dropped:
+        if dropped:
             missing = sorted(set(expected) - set(present))
             message = f"positions {missing[:8]}{'...' if len(missing) > 8 else ''} were not computed by this engine"
         column = {site: i for i, site in enumerate(entry.sites)}
         names = [site_name(layer, HOOKS[hook]) for layer, hook in sites]
-        hidden = self.bank.outs[self.bank.layers[0]].shape[-1]
+        table = self.bank.steer_tables[self.bank.layers[0]]
         tensors = {
             n: torch.stack([entry.rows[p][column[site]] for p in present]) if present
-            else torch.empty(0, hidden, dtype=self.bank.outs[self.bank.layers[0]].dtype)
+            else torch.empty(0, table.shape[-1], dtype=table.dtype)
             for n, site in zip(names, sites, strict=True)
         }
         meta = CaptureMeta(
             request_id=external_request_id(entry.req_id), tag=spec.tag, model=self.model,
             prompt_len=entry.prompt_len, positions=present, sites=names,
-            dtype=str(self.bank.outs[self.bank.layers[0]].dtype).removeprefix("torch."), options=spec.options,
+            dtype=str(table.dtype).removeprefix("torch."), options=spec.options,
         )
         status = "partial_error" if message else "ok"
         base = ConsumerResult(status=status, message=message, rows=len(present) * len(sites), dropped=dropped)

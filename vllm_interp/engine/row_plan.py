@@ -2,13 +2,12 @@
 
 vLLM flattens a step's tokens into one ``[num_tokens, hidden]`` stream: request ``i`` owns rows
 ``query_start_loc[i]:query_start_loc[i + 1]``, holding positions ``num_computed[i]`` onwards (a chunk of
-the prompt, a whole prompt, or one decode token). Row plans are computed on the host from that layout
-and copied into the persistent ``rows`` buffer; slots past the plan keep stale indices, which the op
-ignores (it reads only the planned count), so padded rows are no-ops.
+the prompt, a whole prompt, or one decode token). Row plans are computed on the host from that layout;
+rows the plan does not name (other requests, padding) are never read.
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -52,25 +51,20 @@ class RequestReads:
 class ReadPlan:
     rows: np.ndarray  # token row per slot
     reads: list[RequestReads]
-    overflow: dict[str, int] = field(default_factory=dict)  # req_id -> rows that did not fit
 
     @property
     def num_rows(self) -> int:
         return int(self.rows.shape[0])
 
 
-def plan_reads(
-    slices: list[BatchSlice], selector: Callable[[str, np.ndarray], np.ndarray | None], capacity: int
-) -> ReadPlan:
+def plan_reads(slices: list[BatchSlice], selector: Callable[[str, np.ndarray], np.ndarray | None]) -> ReadPlan:
     """Assign read slots, in batch order, to the rows whose positions ``selector`` picks.
 
     ``selector(req_id, positions)`` returns a boolean mask over ``positions`` (None: the request reads
-    nothing). Rows beyond ``capacity`` are not read and are counted in ``overflow`` so that the request
-    fails loudly instead of returning a partial read-out.
+    nothing).
     """
     rows: list[np.ndarray] = []
     reads: list[RequestReads] = []
-    overflow: dict[str, int] = {}
     used = 0
     for batch_slice in slices:
         positions = batch_slice.positions
@@ -78,14 +72,8 @@ def plan_reads(
         if mask is None or not mask.any():
             continue
         wanted = positions[mask]
-        fit = min(len(wanted), capacity - used)
-        if fit < len(wanted):
-            overflow[batch_slice.req_id] = len(wanted) - fit
-        if fit == 0:
-            continue
-        wanted = wanted[:fit]
         rows.append(batch_slice.row_start + (wanted - batch_slice.position_start))
         reads.append(RequestReads(batch_slice.req_id, used, wanted))
-        used += fit
+        used += len(wanted)
     all_rows = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
-    return ReadPlan(rows=all_rows.astype(np.int64), reads=reads, overflow=overflow)
+    return ReadPlan(rows=all_rows.astype(np.int64), reads=reads)

@@ -17,7 +17,7 @@ from functools import cache
 
 from vllm_interp.capture.store import CaptureStore
 from vllm_interp.engine.row_plan import ReadPlan, batch_slices, plan_reads
-from vllm_interp.models.site_ops import STEP
+from vllm_interp.models.site_ops import STEP, StepReads
 from vllm_interp.steering.tables import SteeringTables
 
 
@@ -25,6 +25,7 @@ from vllm_interp.steering.tables import SteeringTables
 class _StepPlan:
     steer: bool
     reads: ReadPlan
+    site_reads: StepReads | None  # what the site op reads (None: this step reads nothing)
 
 
 class InterpRunnerMixin:
@@ -46,7 +47,8 @@ class InterpRunnerMixin:
         )
         states = [self.requests[req_id] for req_id in req_ids]
         steer = self._plan_steering(slices, states, set(req_ids))
-        self._interp_step = _StepPlan(steer, self._plan_reads(slices, states))
+        reads = self._plan_reads(slices, states)
+        self._interp_step = _StepPlan(steer, reads, self.interp_store.site_reads(reads, self.device))
         return result
 
     def _determine_batch_execution_and_padding(self, *args, **kwargs):
@@ -59,13 +61,13 @@ class InterpRunnerMixin:
         step, self._interp_step = self._interp_step, None
         if step is None:
             return super()._model_forward(*args, **kwargs)
-        STEP.steer, STEP.read_rows = step.steer, step.reads.num_rows
+        STEP.steer, STEP.reads = step.steer, step.site_reads
         try:
             output = super()._model_forward(*args, **kwargs)
         finally:
-            STEP.read_rows, STEP.steer = 0, False
-        if step.reads.reads or step.reads.overflow:
-            self.interp_store.collect(step.reads)
+            STEP.reads, STEP.steer = None, False
+        if step.site_reads is not None:
+            self.interp_store.collect(step.reads, step.site_reads)
         return output
 
     def _plan_steering(self, slices, states, live) -> bool:
@@ -91,9 +93,7 @@ class InterpRunnerMixin:
             # A pipeline stage holding none of the wanted layers has nothing to read.
             return entry.select(positions) if entry.sites else None
 
-        plan = plan_reads(slices, selector, store.max_rows)
-        store.load_rows(plan)
-        return plan
+        return plan_reads(slices, selector)
 
 
 @cache

@@ -43,7 +43,6 @@ class InterpWorkerMixin:
             hidden_size=model_config.get_hidden_size(),
             dtype=model_config.dtype,
             device=runner.device,
-            max_rows=config.max_capture_rows if config.capture_consumers else 0,
             max_tokens=runner.max_num_tokens,
             steer_rows=steer_rows,
         )
@@ -66,12 +65,12 @@ class InterpWorkerMixin:
                 context = ConsumerContext(
                     name=name, options=setup.options, model=str(model_config.served_model_name),
                     num_layers=num_layers, hidden_size=model_config.get_hidden_size(),
-                    pipeline_rank=get_pp_group().rank_in_group,
+                    pipeline_rank=get_pp_group().rank_in_group, pipeline_size=get_pp_group().world_size,
                 )
                 runners[name] = ConsumerRunner(setup.cls(context), policy=config.capture_overload_policy,
                                                queue_bytes=setup.queue_bytes, spill_dir=setup.spill_dir)
-        return CaptureStore(bank, num_layers=num_layers, max_rows=config.max_capture_rows,
-                            model=str(model_config.served_model_name), consumers=runners, global_spec=global_spec)
+        return CaptureStore(bank, num_layers=num_layers, model=str(model_config.served_model_name),
+                            consumers=runners, global_spec=global_spec)
 
     def interp_describe_sites(self) -> dict[str, Any]:
         return self.model_runner.interp_store.bank.descriptor()

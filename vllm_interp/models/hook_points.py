@@ -1,10 +1,10 @@
 """Hook points: class swaps that call the read op at the three residual-stream sites of a layer.
 
 Hooks are installed by swapping ``module.__class__`` for a subclass (not by wrapping modules), so
-parameter names, weight loading and vLLM's CustomOp dispatch are unchanged. Every hooked module holds the
-site buffers as non-persistent buffers (see ``LayerBuffers``): the step's plans (one tensor each, shared by
-all layers) and the layer's own read buffer and steering table (shared by the layer and its post_attn
-module).
+parameter names, weight loading and vLLM's CustomOp dispatch are unchanged. Every hooked module holds its
+layer's index and the steering buffers as non-persistent buffers (see ``LayerBuffers``): the step's
+steering index (shared by all layers) and the layer's steering table (shared by the layer and its
+post_attn module).
 """
 
 from collections.abc import Callable
@@ -24,20 +24,19 @@ POST_BLOCK = HOOK_INDEX["post_block"]
 
 @dataclass(frozen=True)
 class LayerBuffers:
+    layer: int  # the decoder layer's index in the whole model (not within a pipeline stage)
     steer_index: torch.Tensor  # [max_tokens] steering-table row per token (shared)
     steer_table: torch.Tensor  # [hooks, rows, hidden] this layer's steering vectors
-    read_rows: torch.Tensor  # [max_rows] token row per read slot (shared)
-    read_out: torch.Tensor  # [hooks, max_rows, hidden] this layer's reads
 
     def attach(self, module: nn.Module) -> None:
-        for name, tensor in vars(self).items():
-            module.register_buffer(f"interp_{name}", tensor, persistent=False)
+        module.interp_layer = self.layer
+        module.register_buffer("interp_steer_index", self.steer_index, persistent=False)
+        module.register_buffer("interp_steer_table", self.steer_table, persistent=False)
 
 
 def visit(module: nn.Module, hidden: torch.Tensor, residual: torch.Tensor | None, hook: int) -> None:
-    """Run the site op on the stream at ``hook`` with the buffers ``module`` holds."""
-    site(hidden, residual, module.interp_steer_index, module.interp_steer_table, module.interp_read_rows,
-         module.interp_read_out, hook)
+    """Run the site op on the stream at ``hook`` of the layer ``module`` belongs to."""
+    site(hidden, residual, module.interp_steer_index, module.interp_steer_table, module.interp_layer, hook)
 
 
 def swap_class(module: nn.Module, make: Callable[[type], type]) -> None:

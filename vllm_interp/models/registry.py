@@ -113,17 +113,12 @@ def check_architecture(architectures: list[str], model_impl: str = "auto") -> No
 class SiteBank:
     """The buffers behind the installed sites of one model replica (one worker)."""
 
-    rows: torch.Tensor  # [max_rows] token-row indices of the step's reads
-    outs: dict[int, torch.Tensor]  # layer -> [len(HOOKS), max_rows, hidden]
+    layers: list[int]  # decoder layers this rank holds
     steer_index: torch.Tensor  # [max_tokens] steering-table row of each token
     steer_tables: dict[int, torch.Tensor]  # layer -> [len(HOOKS), steer_rows, hidden]
 
-    @property
-    def layers(self) -> list[int]:
-        return sorted(self.outs)
-
     def descriptor(self) -> dict[str, object]:
-        return {"layers": self.layers, "hooks": list(HOOKS), "max_rows": int(self.rows.shape[0])}
+        return {"layers": self.layers, "hooks": list(HOOKS)}
 
 
 def install_sites(
@@ -132,7 +127,6 @@ def install_sites(
     hidden_size: int,
     dtype: torch.dtype,
     device: torch.device,
-    max_rows: int,
     max_tokens: int,
     steer_rows: int,
 ) -> SiteBank:
@@ -147,24 +141,19 @@ def install_sites(
     if sites is None:
         raise UnsupportedArchitecture(unsupported_message(architecture))
     layers = attrgetter(sites.layers)(model)
-    bank = SiteBank(
-        rows=torch.zeros(max_rows, dtype=torch.long, device=device),
-        outs={},
-        steer_index=torch.zeros(max_tokens, dtype=torch.long, device=device),
-        steer_tables={},
-    )
+    bank = SiteBank(layers=[], steer_index=torch.zeros(max_tokens, dtype=torch.long, device=device),
+                    steer_tables={})
     for index, layer in enumerate(layers):
         if isinstance(layer, PPMissingLayer):  # held by another pipeline stage
             continue
         buffers = hook_points.LayerBuffers(
+            layer=index,
             steer_index=bank.steer_index,
             steer_table=torch.zeros(len(HOOKS), steer_rows, hidden_size, dtype=dtype, device=device),
-            read_rows=bank.rows,
-            read_out=torch.zeros(len(HOOKS), max_rows, hidden_size, dtype=dtype, device=device),
         )
         sites.install(layer, buffers)
-        bank.outs[index] = buffers.read_out
+        bank.layers.append(index)
         bank.steer_tables[index] = buffers.steer_table
-    if not bank.outs:
+    if not bank.layers:
         raise UnsupportedArchitecture(f"{architecture}: found no decoder layers at {sites.layers!r}")
     return bank

@@ -8,7 +8,6 @@ import argparse
 import os
 
 from vllm_interp.config import (
-    DEFAULT_MAX_CAPTURE_ROWS,
     DEFAULT_MAX_STEERING_CONFIGS,
     OVERLOAD_POLICIES,
     InterpConfig,
@@ -60,8 +59,6 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument("--capture-overload-policy", choices=OVERLOAD_POLICIES, default="block",
                        help="What a consumer whose queue is full does with more rows: wait (block), drop them "
                        "(reported in the request's result) or park them on disk (spill).")
-    group.add_argument("--max-capture-rows", type=int, default=DEFAULT_MAX_CAPTURE_ROWS,
-                       help="Rows one forward step may capture (sizes the capture buffers).")
 
 
 def serve(command, args: argparse.Namespace) -> None:
@@ -76,7 +73,6 @@ def serve(command, args: argparse.Namespace) -> None:
         capture_consumers=tuple(args.capture_consumers),
         capture_global=args.capture_global,
         capture_overload_policy=args.capture_overload_policy,
-        max_capture_rows=args.max_capture_rows,
     )
     if config.hooks_needed:
         check_model_architecture(args.model, model_impl=args.model_impl, trust_remote_code=args.trust_remote_code)

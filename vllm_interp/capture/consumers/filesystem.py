@@ -41,7 +41,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from vllm_interp.capture.consumer import CaptureConsumer, ConsumerContext, RequestCapture
-from vllm_interp.hooks import parse_site_name
+from vllm_interp.hooks import HOOKS, parse_site_name
 
 LAYOUTS = ("per_file", "packed", "sharded")
 COLLISION_POLICIES = ("overwrite", "error", "suffix")
@@ -51,6 +51,7 @@ SHARD_DIR = "shards"
 INDEX_NAME = "index.jsonl"
 PER_FILE_SIDECAR = "meta.json"
 METADATA_KEY = "vllm_interp"
+STAGE_PREFIX = "pp-stage-"
 
 _UNSAFE_CHARS = re.compile(r"[^A-Za-z0-9_.\-]")
 _MAX_SEGMENT = 128  # the tag rule's segment limit, so a request id makes a base no longer than a tag segment
@@ -73,6 +74,9 @@ class FilesystemConsumer(CaptureConsumer):
         super().__init__(context)
         options = {**DEFAULT_OPTIONS, **context.options}
         self.root = Path(options["root"])
+        if context.pipeline_size > 1:
+            # Each pipeline stage holds its own layers of every request: one subtree per stage, merged on read.
+            self.root = self.root / f"{STAGE_PREFIX}{context.pipeline_rank}"
         self.layout: str = options["layout"]
         self.on_collision: str = options["on_collision"]
         self.shard_bytes = int(options["shard_mb"]) << 20
@@ -429,18 +433,47 @@ def read_capture(
     if layout is not None and layout not in LAYOUTS:
         raise ValueError(f"layout: must be one of {', '.join(LAYOUTS)} (got {layout!r})")
     root = Path(root)
+    stages = _stage_roots(root)
+    found = [_read_one(stage, request_or_tag, layout) for stage in stages] if stages else [
+        _read_one(root, request_or_tag, layout)]
+    if any(part is None for part in found):
+        raise FileNotFoundError(f"no complete capture {request_or_tag!r} under {root}")
+    return _merge_stages(found)
+
+
+def _read_one(root: Path, request_or_tag: str, layout: str | None):
     bases = [request_or_tag] if _is_safe_base(request_or_tag) else []
     bases += [b for b in [request_base(request_or_tag)] if b not in bases]
     for base, name in itertools.product(bases, [layout] if layout else LAYOUTS):
         found = _read_sharded(root, base) if name == "sharded" else _read_files(root, name, base)
         if found is not None:
             return found
-    raise FileNotFoundError(f"no complete capture {request_or_tag!r} under {root}")
+    return None
+
+
+def _stage_roots(root: Path) -> list[Path]:
+    """The per-stage subtrees a pipeline-parallel engine wrote (none for a single-stage engine)."""
+    return sorted(p for p in root.glob(f"{STAGE_PREFIX}*") if p.is_dir())
+
+
+def _merge_stages(parts: list[tuple[dict[str, torch.Tensor], dict[str, Any]]]):
+    """One capture from the stages' captures of the same request (each holds its own layers)."""
+    if len(parts) == 1:
+        return parts[0]
+    tensors = {name: t for part, _ in parts for name, t in part.items()}
+    sites = sorted(tensors, key=lambda n: (parse_site_name(n)[0], HOOKS.index(parse_site_name(n)[1])))
+    meta = {**parts[0][1], "sites": sites, "layers": sorted({parse_site_name(n)[0] for n in sites}),
+            "hooks": [h for h in HOOKS if any(n.endswith(f".{h}") for n in sites)]}
+    return {name: tensors[name] for name in sites}, meta
 
 
 def list_captures(root: str | os.PathLike) -> list[str]:
-    """The bases of every complete capture under ``root`` (of any layout), sorted."""
+    """The bases of every complete capture under ``root`` (of any layout), sorted; for a pipeline-parallel
+    engine, those complete in every stage."""
     root = Path(root)
+    stages = _stage_roots(root)
+    if stages:
+        return sorted(set.intersection(*(set(list_captures(stage)) for stage in stages)))
     found = set(_read_index(root))
     for dirpath, dirnames, filenames in os.walk(root):
         here = Path(dirpath)
