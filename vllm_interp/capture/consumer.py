@@ -12,14 +12,16 @@ Lifecycle, all on the consumer's thread except ``validate_*``:
 2. ``validate_options(options)`` (classmethod): check a request's consumer options (every field of its spec
    besides hooks/positions/tag), in the frontend and again in the worker. Raise ``ValueError("field: why")``.
 3. ``__init__(context)``: once per worker, with the engine options and the model's facts.
-4. ``consume(capture)``: once per finished request, with every captured row. Return a JSON-able dict (or
-   None) that the caller receives as the result; raise to fail only this request (status ``error``).
+4. ``consume(capture)``: once per finished request, with every captured row. Return a dict (or None) that
+   the caller receives as the result (offline as is; over HTTP through ``result_to_json``); raise to fail
+   only this request (status ``error``).
 5. ``close()``: at engine shutdown, after every queued request was consumed.
 
 Under pipeline parallelism each stage's instance receives that stage's layers; ``merge_results`` combines
 the stages' results for the caller.
 """
 
+import base64
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -121,6 +123,11 @@ class CaptureConsumer:
     def merge_results(cls, results: list[dict[str, Any]]) -> dict[str, Any]:
         """Combine the results of pipeline stages (each consumed its own layers) into the caller's one."""
         return {"stages": results}
+
+    @classmethod
+    def result_to_json(cls, result: dict[str, Any]) -> dict[str, Any]:
+        """The result as JSON for an HTTP response; default: bytes values become base64 text."""
+        return {k: base64.b64encode(v).decode("ascii") if isinstance(v, bytes) else v for k, v in result.items()}
 
 
 def _no_options(options: dict[str, Any]) -> dict[str, Any]:

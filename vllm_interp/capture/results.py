@@ -1,6 +1,5 @@
 """Per-request, per-consumer capture results: the wire format the caller receives."""
 
-import base64
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -93,11 +92,9 @@ class ResultCollector:
         return merged
 
 
-def result_to_json(result: ConsumerResult) -> dict[str, Any]:
-    """A result as JSON: bytes in the consumer's payload (the inline consumer's tensors) become base64."""
+def result_to_json(result: ConsumerResult, payload_to_json: Any) -> dict[str, Any]:
+    """A result as JSON; ``payload_to_json`` (the consumer's ``result_to_json``) converts its payload."""
     data = result.model_dump()
     if data["result"] is not None:
-        data["result"] = {
-            k: base64.b64encode(v).decode("ascii") if isinstance(v, bytes) else v for k, v in data["result"].items()
-        }
+        data["result"] = payload_to_json(data["result"])
     return data

@@ -42,12 +42,22 @@ class _Entry:
     specs: CaptureSpec
     prompt_len: int
     sites: list[tuple[int, int]]  # (layer, hook index) any consumer wants, held on this rank
-    rows: dict[int, torch.Tensor] = field(default_factory=dict)  # position -> [len(sites), hidden]
+    # Per step: (positions, [len(sites), k, hidden]); a recomputed position (after preemption) appears again.
+    chunks: list[tuple[np.ndarray, torch.Tensor]] = field(default_factory=list)
     num_computed: int = 0
 
     def select(self, positions: np.ndarray) -> np.ndarray:
         masks = [spec.select(positions, self.prompt_len) for spec in self.specs.values()]
         return np.logical_or.reduce(masks)
+
+    def gathered(self) -> tuple[torch.Tensor, dict[int, int]] | None:
+        """All rows as one ``[len(sites), n, hidden]`` block, and each position's column in it (the latest
+        copy of a position computed twice)."""
+        if not self.chunks:
+            return None
+        block = torch.cat([rows for _, rows in self.chunks], dim=1)
+        positions = np.concatenate([positions for positions, _ in self.chunks]).tolist()
+        return block, {position: column for column, position in enumerate(positions)}
 
 
 @dataclass
@@ -130,9 +140,7 @@ class CaptureStore:
                     continue
                 stop = reads.slot_start + len(reads.positions)
                 index = torch.tensor([column[site] for site in entry.sites])
-                block = copy.host[:, reads.slot_start : stop].index_select(0, index)  # [sites, k, hidden]
-                for j, position in enumerate(reads.positions.tolist()):
-                    entry.rows[position] = block[:, j]
+                entry.chunks.append((reads.positions, copy.host[:, reads.slot_start : stop].index_select(0, index)))
         self._pending.clear()
 
     # -- finishing --------------------------------------------------------------------------------------
@@ -181,19 +189,21 @@ class CaptureStore:
         # The last sampled token is never fed back: with the final length known, rows past it (an async
         # scheduler's step that ran past a stop) are not part of the request.
         computed = entry.num_computed if length is None else min(entry.num_computed, max(length - 1, 0))
+        rows = entry.gathered()
         futures = {}
         for name, spec in entry.specs.items():
             sites = [(layer, HOOK_INDEX[hook]) for layer, hook in spec.sites(self.num_layers) if layer in self._held]
             if not sites:
                 continue  # another pipeline stage holds this consumer's layers
-            futures[name] = self._submit(name, spec, entry, sites, computed)
+            futures[name] = self._submit(name, spec, entry, rows, sites, computed)
         if entry.key is not None:
             self._results[entry.key] = futures
         else:
             for name, future in futures.items():
                 future.add_done_callback(lambda f, n=name, r=entry.req_id: _log_failure(n, r, f.result()))
 
-    def _submit(self, name: str, spec: Any, entry: _Entry, sites: list[tuple[int, int]], computed: int) -> Future:
+    def _submit(self, name: str, spec: Any, entry: _Entry, rows: tuple[torch.Tensor, dict[int, int]] | None,
+                sites: list[tuple[int, int]], computed: int) -> Future:
         expected = spec.expected_positions(entry.prompt_len, computed)
         if isinstance(spec.positions, list):
             beyond = sorted(set(spec.positions) - set(expected))
@@ -202,20 +212,22 @@ class CaptureStore:
                     f"positions {beyond} were never computed: the sequence went through the model for {computed} "
                     "tokens (the last generated token is never fed back)"
                 ))
-        present = [p for p in expected if p in entry.rows]
+        block, where = rows if rows is not None else (None, {})
+        present = [p for p in expected if p in where]
         message = None
         dropped = (len(expected) - len(present)) * len(sites)
         if dropped:
             missing = sorted(set(expected) - set(present))
             message = f"positions {missing[:8]}{'...' if len(missing) > 8 else ''} were not computed by this engine"
-        column = {site: i for i, site in enumerate(entry.sites)}
         names = [site_name(layer, HOOKS[hook]) for layer, hook in sites]
         table = self.bank.steer_tables[self.bank.layers[0]]
-        tensors = {
-            n: torch.stack([entry.rows[p][column[site]] for p in present]) if present
-            else torch.empty(0, table.shape[-1], dtype=table.dtype)
-            for n, site in zip(names, sites, strict=True)
-        }
+        if present:
+            columns = {site: i for i, site in enumerate(entry.sites)}
+            picked = block.index_select(0, torch.tensor([columns[site] for site in sites]))
+            picked = picked.index_select(1, torch.tensor([where[p] for p in present]))  # [sites, positions, hidden]
+            tensors = dict(zip(names, picked.unbind(0), strict=True))
+        else:
+            tensors = {n: torch.empty(0, table.shape[-1], dtype=table.dtype) for n in names}
         meta = CaptureMeta(
             request_id=external_request_id(entry.req_id), tag=spec.tag, model=self.model,
             prompt_len=entry.prompt_len, positions=present, sites=names,

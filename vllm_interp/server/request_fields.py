@@ -128,8 +128,11 @@ class RequestFieldsMiddleware:
             collector.add(per_rank)
             if collector.pending:
                 await asyncio.sleep(0.05)
-        merged = collector.merged({name: cls.merge_results for name, cls in state.vllm_interp_consumers.items()})
-        body["capture_results"] = {name: result_to_json(result) for name, result in merged[key].items()}
+        consumers = state.vllm_interp_consumers
+        merged = collector.merged({name: cls.merge_results for name, cls in consumers.items()})
+        body["capture_results"] = {
+            name: result_to_json(result, consumers[name].result_to_json) for name, result in merged[key].items()
+        }
         return body
 
 

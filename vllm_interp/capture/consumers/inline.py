@@ -1,9 +1,9 @@
 """The ``inline`` consumer: captured rows go back to the caller.
 
-Offline, ``LLM.generate(..., capture={"inline": ...})`` puts them on the output (``output.residuals``);
-over HTTP the non-streaming response carries them in ``capture_results.inline.result``. Either way the rows
-travel as one safetensors blob (tensors named by site, ``[positions, hidden]``; the capture metadata as JSON
-in the header under ``vllm_interp``), base64 over HTTP.
+Offline, ``LLM.generate(..., capture={"inline": ...})`` puts them on the output (``output.residuals``): the
+tensors travel from the worker as tensors. Over HTTP the non-streaming response carries them in
+``capture_results.inline.result.safetensors``: one safetensors blob, base64 (tensors named by site,
+``[positions, hidden]``; the capture metadata as JSON in the header under ``vllm_interp``).
 """
 
 import base64
@@ -62,9 +62,20 @@ class ResidualReadout:
 
     @classmethod
     def from_result(cls, result: dict[str, Any]) -> "ResidualReadout":
-        """From the inline consumer's result: raw bytes (offline) or base64 text (HTTP)."""
-        blob = result["safetensors"]
-        return cls.from_bytes(base64.b64decode(blob) if isinstance(blob, str) else blob)
+        """From the inline consumer's result: tensors (offline) or the base64 safetensors blob (HTTP)."""
+        if "safetensors" in result:
+            return cls.from_bytes(base64.b64decode(result["safetensors"]))
+        metadata = result["metadata"]
+        raw = torch.frombuffer(bytearray(result["data"]), dtype=torch.uint8) if result["data"] else torch.empty(0)
+        block = raw.view(getattr(torch, metadata["dtype"])).reshape(result["shape"])
+        return cls(list(metadata["positions"]), dict(zip(metadata["sites"], block.unbind(0), strict=True)), metadata)
+
+    def to_result(self) -> dict[str, Any]:
+        """One ``[sites, positions, hidden]`` block as bytes: plain for the RPC that carries it to the caller
+        (vLLM's msgpack would not rebuild tensors nested in a result), and one copy however many sites."""
+        block = torch.stack(list(self.tensors.values())) if self.tensors else torch.empty(0)
+        metadata = {**self.metadata, "sites": list(self.tensors), "dtype": str(block.dtype).removeprefix("torch.")}
+        return {"metadata": metadata, "shape": list(block.shape), "data": block.view(torch.uint8).numpy().tobytes()}
 
 
 def _header_metadata(blob: bytes) -> dict[str, str]:
@@ -76,8 +87,7 @@ class InlineConsumer(CaptureConsumer):
     name = "inline"
 
     def consume(self, capture: RequestCapture) -> dict[str, Any]:
-        readout = ResidualReadout(capture.meta.positions, capture.tensors, capture.meta.to_json())
-        return {"safetensors": readout.to_bytes()}
+        return ResidualReadout(capture.meta.positions, capture.tensors, capture.meta.to_json()).to_result()
 
     @classmethod
     def merge_results(cls, results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -88,5 +98,9 @@ class InlineConsumer(CaptureConsumer):
         metadata["sites"] = sorted(tensors, key=_site_order)
         metadata["layers"] = sorted({parse_site_name(name)[0] for name in tensors})
         metadata["hooks"] = [hook for hook in HOOKS if any(name.endswith(f".{hook}") for name in tensors)]
-        merged = ResidualReadout(parts[0].positions, {n: tensors[n] for n in metadata["sites"]}, metadata)
-        return {"safetensors": merged.to_bytes()}
+        return ResidualReadout(parts[0].positions, {n: tensors[n] for n in metadata["sites"]}, metadata).to_result()
+
+    @classmethod
+    def result_to_json(cls, result: dict[str, Any]) -> dict[str, Any]:
+        blob = ResidualReadout.from_result(result).to_bytes()
+        return {"safetensors": base64.b64encode(blob).decode("ascii")}
