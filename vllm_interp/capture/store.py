@@ -80,6 +80,7 @@ class CaptureStore:
         self.global_spec = global_spec
         self._held = set(bank.layers)
         self._entries: dict[str, _Entry | None] = {}
+        self._live: set[str] = set()  # requests whose capture is not finalized yet
         self._finalized: set[str] = set()  # by a results call, before the scheduler reported them finished
         self._by_key: dict[str, str] = {}
         self._results: dict[str, dict[str, Future]] = {}
@@ -102,7 +103,14 @@ class CaptureStore:
             if entry.key is not None:
                 self._by_key[entry.key] = req_id
         self._entries[req_id] = entry
+        if entry is not None:
+            self._live.add(req_id)
         return entry
+
+    @property
+    def capturing(self) -> bool:
+        """Whether any request on this worker still captures (if not, steps need no read planning)."""
+        return bool(self._live)
 
     def note_progress(self, entry: _Entry, num_computed: int) -> None:
         entry.num_computed = max(entry.num_computed, num_computed)
@@ -151,6 +159,7 @@ class CaptureStore:
         self._drain()
         for req_id in finished_req_ids:
             entry = self._entries.pop(req_id, None)
+            self._live.discard(req_id)
             self._finalized.discard(req_id)
             if entry is not None:
                 self._finalize(entry, None)
@@ -167,6 +176,7 @@ class CaptureStore:
             entry = self._entries.get(req_id) if req_id is not None else None
             if entry is not None:
                 self._entries[req_id] = None
+                self._live.discard(req_id)
                 self._finalized.add(req_id)
                 self._finalize(entry, length)
         asked = [f for key in lengths for f in self._results.get(key, {}).values()]

@@ -4,7 +4,8 @@ Installed by the worker as a class swap on vLLM's V1 ``GPUModelRunner`` (which `
 subclasses); mixins cannot rely on ``__init__``, so the worker attaches the capture store and the steering
 tables after the swap. Overridden ``GPUModelRunner`` methods (vLLM 0.26), in the order a step calls them:
 
-- ``_update_states``: the scheduler's finished requests, whose captures are handed to consumers;
+- ``_update_states``: new requests (their capture specs decoded once) and the scheduler's finished
+  requests, whose captures are handed to consumers;
 - ``_prepare_inputs``: lays out the batch (``query_start_loc``, ``num_computed_tokens``); the step is
   planned right after it;
 - ``_determine_batch_execution_and_padding``: a step that captures rows runs without CUDA graphs (captured
@@ -35,11 +36,20 @@ class InterpRunnerMixin:
 
     def _update_states(self, scheduler_output, *args, **kwargs):
         result = super()._update_states(scheduler_output, *args, **kwargs)
-        self.interp_store.finish(scheduler_output.finished_req_ids)
+        store = self.interp_store
+        # Each request's capture spec is decoded once, when it arrives, so that a step can tell at a
+        # glance whether anything in the batch captures.
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self.requests.get(new.req_id)
+            if state is not None and state.sampling_params is not None:
+                store.lookup(new.req_id, state.sampling_params.extra_args, state.num_prompt_tokens)
+        store.finish(scheduler_output.finished_req_ids)
         return result
 
     def _prepare_inputs(self, *args, **kwargs):
         result = super()._prepare_inputs(*args, **kwargs)
+        if self.interp_steering is None and not self.interp_store.capturing:
+            return result  # nothing to plan: the step runs as on an engine without vllm-interp
         num_reqs = self.input_batch.num_reqs
         req_ids = self.input_batch.req_ids[:num_reqs]
         slices = batch_slices(
