@@ -29,6 +29,7 @@ from vllm_interp.request_args import interp_args
 logger = logging.getLogger(__name__)
 # vLLM 0.26's InputProcessor.assign_request_id appends "-<8 hex>" to the caller's request id.
 _INTERNAL_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
+MAX_UNCLAIMED_RESULTS = 4096
 
 
 def external_request_id(req_id: str) -> str:
@@ -208,9 +209,21 @@ class CaptureStore:
             futures[name] = self._submit(name, spec, entry, rows, sites, computed)
         if entry.key is not None:
             self._results[entry.key] = futures
+            self._forget_unclaimed()
         else:
             for name, future in futures.items():
                 future.add_done_callback(lambda f, n=name, r=entry.req_id: _log_failure(n, r, f.result()))
+
+    def _forget_unclaimed(self) -> None:
+        """Results whose caller went away (an HTTP client that disconnected) are never asked for: keep only
+        the newest ``MAX_UNCLAIMED_RESULTS``."""
+        while len(self._results) > MAX_UNCLAIMED_RESULTS:
+            key = next(iter(self._results))
+            futures = self._results.pop(key)
+            self._by_key.pop(key, None)
+            for name, future in futures.items():
+                future.add_done_callback(lambda f, n=name, k=key: _log_failure(n, k, f.result()))
+            logger.warning("capture results for key %s were never claimed; dropped them", key)
 
     def _submit(self, name: str, spec: Any, entry: _Entry, rows: tuple[torch.Tensor, dict[int, int]] | None,
                 sites: list[tuple[int, int]], computed: int) -> Future:

@@ -212,8 +212,8 @@ class FilesystemConsumer(CaptureConsumer):
         if layout == "packed":
             _publish(data_files[0], _safetensors_writer(tensors, meta))
         else:
-            for path, (site, tensor) in zip(data_files, tensors.items(), strict=True):
-                _publish(path, _safetensors_writer({site: tensor}, meta))
+            _publish_all([(path, _safetensors_writer({site: tensor}, meta))
+                          for path, (site, tensor) in zip(data_files, tensors.items(), strict=True)])
             for stale in {p for p in _visible(sidecar.parent) if _is_site_file(p)} - set(data_files):
                 _remove(stale)
         _publish(sidecar, _json_writer(meta))
@@ -367,15 +367,25 @@ def _json_writer(record: dict[str, Any]) -> Callable[[Path], None]:
 
 def _publish(path: Path, write: Callable[[Path], None]) -> None:
     """Write ``path`` through ``write(temp)`` so that it appears complete or not at all, and durably."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    _publish_all([(path, write)])
+
+
+def _publish_all(files: list[tuple[Path, Callable[[Path], None]]]) -> None:
+    """Publish files of one directory: each written and fsynced under a temporary name, then all renamed,
+    then the directory fsynced once (one directory sync per request instead of one per file)."""
+    temps = [path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp") for path, _ in files]
     try:
-        write(tmp)
-        _fsync_path(tmp)
-        os.replace(tmp, path)
+        for tmp, (_, write) in zip(temps, files, strict=True):
+            write(tmp)
+            _fsync_path(tmp)
+        for tmp, (path, _) in zip(temps, files, strict=True):
+            os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        for tmp in temps:
+            tmp.unlink(missing_ok=True)
         raise
-    _fsync_path(path.parent)
+    for directory in {path.parent for path, _ in files}:
+        _fsync_path(directory)
 
 
 def _append_lines(path: Path, records: list[dict[str, Any]]) -> None:

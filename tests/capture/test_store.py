@@ -1,0 +1,89 @@
+"""The worker-side capture store without an engine: rows by position, finalizing, results."""
+
+import numpy as np
+import torch
+
+from vllm_interp.capture import store as store_module
+from vllm_interp.capture.consumer import ConsumerContext
+from vllm_interp.capture.consumers.inline import InlineConsumer, ResidualReadout
+from vllm_interp.capture.dispatch import ConsumerRunner
+from vllm_interp.capture.spec import spec_to_wire, validate_capture_spec
+from vllm_interp.capture.store import CaptureStore
+from vllm_interp.engine.row_plan import batch_slices, plan_reads
+from vllm_interp.models.registry import SiteBank
+from vllm_interp.request_args import EXTRA_ARGS_KEY
+
+LAYERS, HIDDEN = 2, 4
+
+
+def make_store() -> CaptureStore:
+    bank = SiteBank(layers=[0, 1], steer_index=torch.zeros(8, dtype=torch.long),
+                    steer_tables={layer: torch.zeros(3, 1, HIDDEN) for layer in range(LAYERS)})
+    context = ConsumerContext("inline", {}, "m", num_layers=LAYERS, hidden_size=HIDDEN)
+    runner = ConsumerRunner(InlineConsumer(context), policy="block", queue_bytes=1 << 20)
+    return CaptureStore(bank, num_layers=LAYERS, model="m", consumers={"inline": runner}, global_spec={})
+
+
+def extra_args(key: str, positions) -> dict:
+    spec = validate_capture_spec({"inline": {"hooks": {"post_block": [1]}, "positions": positions}},
+                                 num_layers=LAYERS, consumers={"inline": InlineConsumer})
+    return {EXTRA_ARGS_KEY: {"capture": spec_to_wire(spec), "capture_key": key}}
+
+
+def step(store: CaptureStore, req_id: str, start: int, tokens: int, stream: torch.Tensor) -> None:
+    """One step of one request computing positions start..start+tokens; ``stream`` is [tokens, hidden]."""
+    slices = batch_slices([req_id], np.array([0, tokens]), np.array([start]))
+    entry = store.lookup(req_id, None, 0)
+
+    def selector(_, positions):
+        store.note_progress(entry, int(positions[-1]) + 1)
+        return entry.select(positions)
+
+    plan = plan_reads(slices, selector)
+    reads = store.site_reads(plan, torch.device("cpu"))
+    if reads is None:
+        return
+    reads.out[(1, 2)] = stream.index_select(0, reads.rows)  # what the site op at 1.post_block would hand back
+    store.collect(plan, reads)
+
+
+def test_rows_by_position_across_chunks_and_a_recompute():
+    store = make_store()
+    store.lookup("r", extra_args("k", "all"), prompt_len=5)
+    first = torch.randn(4, HIDDEN)
+    step(store, "r", 0, 4, first)
+    step(store, "r", 0, 4, first + 1)  # preempted and recomputed: the latest rows win, no duplicates
+    tail = torch.randn(3, HIDDEN)
+    step(store, "r", 4, 3, tail)
+    result = store.results({"k": 8}, wait_s=5)["k"]["inline"]
+    assert result["status"] == "ok" and result["rows"] == 7
+    readout = ResidualReadout.from_result(result["result"])
+    assert readout.positions == list(range(7))
+    torch.testing.assert_close(readout["1.post_block"], torch.cat([first + 1, tail]), rtol=0, atol=0)
+    assert not store.capturing
+    store.close()
+
+
+def test_steps_without_wanted_positions_read_nothing_and_unknown_keys_answer_empty():
+    store = make_store()
+    store.lookup("r", extra_args("k", "last_prompt"), prompt_len=3)
+    assert store.capturing
+    step(store, "r", 0, 2, torch.randn(2, HIDDEN))  # positions 0-1: nothing wanted
+    assert store.site_reads(plan_reads([], lambda *_: None), torch.device("cpu")) is None
+    step(store, "r", 2, 1, torch.randn(1, HIDDEN))
+    assert store.results({"nosuch": 3}, wait_s=0) == {"nosuch": {}}
+    assert store.results({"k": 4}, wait_s=5)["k"]["inline"]["rows"] == 1
+    store.close()
+
+
+def test_results_nobody_claims_are_bounded(monkeypatch):
+    monkeypatch.setattr(store_module, "MAX_UNCLAIMED_RESULTS", 2)
+    store = make_store()
+    for i in range(4):
+        store.lookup(f"r{i}", extra_args(f"k{i}", "last_prompt"), prompt_len=1)
+        step(store, f"r{i}", 0, 1, torch.randn(1, HIDDEN))
+    store.finish({f"r{i}" for i in range(4)})
+    answered = store.results({f"k{i}": 2 for i in range(4)}, wait_s=5)
+    # Two were dropped (their consumers still ran); the two finalized last are there.
+    assert sorted(str(a.get("inline", {}).get("status")) for a in answered.values()) == ["None", "None", "ok", "ok"]
+    store.close()
