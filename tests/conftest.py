@@ -2,6 +2,7 @@ import gc
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -141,14 +142,47 @@ def server_dirs(tmp_path_factory) -> dict[str, Path]:
             "stats": base / "stats.jsonl", "vectors": base / "formal.json"}
 
 
+def launch_server(args: list[str], log: Path, env: dict[str, str] | None = None) -> tuple[str, subprocess.Popen]:
+    """Start `vllm-interp serve ARGS` in its own process group (so that a test can kill every process of the
+    server at once) and wait until it answers /health. Output goes to ``log``."""
+    port = _free_port()
+    with open(log, "w") as out:
+        process = subprocess.Popen([VLLM_INTERP, "serve", "--port", str(port), *args], stdout=out,
+                                   stderr=subprocess.STDOUT, env=env or os.environ, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"server exited with {process.returncode}:\n{log.read_text()[-4000:]}")
+        try:
+            if requests.get(f"{url}/health", timeout=2).ok:
+                return url, process
+        except requests.ConnectionError:
+            pass
+        time.sleep(2)
+    stop_server(process)
+    pytest.fail("server did not become healthy in 600 s")
+
+
+def stop_server(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+
+
+# Small settings shared by every test server; --enforce-eager: the compiled path is covered by the offline
+# engines, these tests are about the CLI and HTTP.
+SERVER_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "512",
+               "--kv-cache-memory-bytes", str(128 << 20), "--seed", "0"]
+
+
 @pytest.fixture(scope="session")
 def server(smollm2_path, server_dirs):
-    port = _free_port()
     server_dirs["vectors"].write_text(json.dumps({"vectors": {"post_block": {"6": vector(42)}}}))
-    # --enforce-eager: the compiled path is covered by the offline engines; this test is about the CLI.
-    command = [
-        VLLM_INTERP, "serve", "--enable-steering", "--dtype", "float32", "--enforce-eager", "--port", str(port),
-        "--max-model-len", "512", "--kv-cache-memory-bytes", str(128 << 20), "--seed", "0",
+    args = [
+        *SERVER_ARGS, "--enable-steering",
         "--steering-api-key", API_KEY, "--steering-vectors", f"formal={server_dirs['vectors']}",
         "--max-steering-configs", "2",
         "--capture-consumers", "inline", "--capture-consumers", f"filesystem:root={server_dirs['captures']}",
@@ -157,25 +191,8 @@ def server(smollm2_path, server_dirs):
     ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(server_dirs["plugins"]),
                                                                      os.environ.get("PYTHONPATH")]))}
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 600
+    url, process = launch_server(args, server_dirs["captures"].parent / "server.log", env)
     try:
-        while time.time() < deadline:
-            if process.poll() is not None:
-                pytest.fail(f"server exited with {process.returncode}:\n{process.stdout.read()[-4000:]}")
-            try:
-                if requests.get(f"{url}/health", timeout=2).ok:
-                    break
-            except requests.ConnectionError:
-                pass
-            time.sleep(2)
-        else:
-            pytest.fail("server did not become healthy in 600 s")
         yield url, process
     finally:
-        process.terminate()
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        stop_server(process)
