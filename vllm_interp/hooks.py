@@ -19,6 +19,12 @@ def site_name(layer: int, hook: str) -> str:
     return f"{layer}.{hook}"
 
 
+def site_order(name: str) -> tuple[int, int]:
+    """Sort key of site names: by layer, then by hook in stream order."""
+    layer, hook = parse_site_name(name)
+    return layer, HOOK_INDEX[hook]
+
+
 def parse_site_name(name: str) -> tuple[int, Hook]:
     layer, _, hook = name.partition(".")
     if hook not in HOOK_INDEX or not layer.isdigit():

@@ -137,7 +137,7 @@ class LLM(vllm.LLM):
         self.llm_engine.engine_core.shutdown()
 
     def describe_sites(self) -> list[dict[str, Any]]:
-        """The installed sites on each worker (layers held, hooks, read buffer rows)."""
+        """The installed sites on each worker (layers held, hooks)."""
         return self.collective_rpc("interp_describe_sites")
 
     def _capture_specs(self, count: int, capture: SpecArg, readout: SpecArg) -> list[CaptureSpec | None]:
@@ -221,7 +221,7 @@ class LLM(vllm.LLM):
         deadline = time.monotonic() + timeout_s
         while collector.pending and time.monotonic() < deadline:
             collector.add(self.collective_rpc("interp_capture_results", args=(collector.pending, 0.2)))
-        return collector.merged({name: cls.merge_results for name, cls in self._consumers.items()})
+        return collector.merged(self._consumers)
 
 
 def _count_prompts(prompts: Any) -> int:

@@ -4,6 +4,7 @@ stage merging and ``--capture-consumers`` parsing. No engine: captures are built
 import json
 import threading
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,14 @@ def make_capture(
 
 def base_result(capture: RequestCapture) -> ConsumerResult:
     return ConsumerResult(status="ok", rows=len(capture.meta.positions) * len(capture.meta.sites))
+
+
+def occupy(runner: ConsumerRunner, consumer, capture: RequestCapture) -> Future:
+    """Submit ``capture`` and keep the consumer busy with it (gate closed) until the test opens the gate."""
+    consumer.gate.clear()
+    future = runner.submit(capture, base_result(capture))
+    assert consumer.started.wait(WAIT_S)
+    return future
 
 
 def context(name: str = "gated") -> ConsumerContext:
@@ -139,10 +148,8 @@ def test_consumer_exception_fails_only_its_request(make_runner):
 
 def test_drop_policy(make_runner):
     runner, consumer = make_runner("drop", queue_bytes=one_capture_bytes())
-    consumer.gate.clear()
     first, second = make_capture("req-1"), make_capture("req-2")
-    first_future = runner.submit(first, base_result(first))
-    assert consumer.started.wait(WAIT_S)
+    first_future = occupy(runner, consumer, first)
     # The consumer still holds the first request: the second does not fit and is refused at once.
     second_future = runner.submit(second, base_result(second))
     assert second_future.done()
@@ -167,11 +174,9 @@ def test_oversized_request_is_accepted_into_an_empty_queue(make_runner):
 
 def test_spill_policy(make_runner, tmp_path):
     runner, consumer = make_runner("spill", queue_bytes=one_capture_bytes())
-    consumer.gate.clear()
     captures = [make_capture(f"req-{i}", seed=i) for i in range(3)]
     originals = [{name: t.clone() for name, t in c.tensors.items()} for c in captures]
-    futures = [runner.submit(captures[0], base_result(captures[0]))]
-    assert consumer.started.wait(WAIT_S)
+    futures = [occupy(runner, consumer, captures[0])]
     futures += [runner.submit(c, base_result(c)) for c in captures[1:]]
     # Both requests past the bound wait on disk while the consumer is busy.
     assert len(list(tmp_path.glob("*.safetensors"))) == 2
@@ -192,10 +197,8 @@ def test_spill_policy(make_runner, tmp_path):
 
 def test_spilled_tensors_keep_site_order(make_runner):
     runner, consumer = make_runner("spill", queue_bytes=one_capture_bytes())
-    consumer.gate.clear()
     first, second = make_capture("req-1"), make_capture("req-2")
-    futures = [runner.submit(first, base_result(first))]
-    assert consumer.started.wait(WAIT_S)
+    futures = [occupy(runner, consumer, first)]
     futures.append(runner.submit(second, base_result(second)))
     consumer.gate.set()
     results = [f.result(WAIT_S) for f in futures]
@@ -205,10 +208,8 @@ def test_spilled_tensors_keep_site_order(make_runner):
 
 def test_block_policy_waits_for_space(make_runner):
     runner, consumer = make_runner("block", queue_bytes=one_capture_bytes())
-    consumer.gate.clear()
     first, second = make_capture("req-1"), make_capture("req-2")
-    first_future = runner.submit(first, base_result(first))
-    assert consumer.started.wait(WAIT_S)
+    first_future = occupy(runner, consumer, first)
     submitted = threading.Event()
     second_future = []
 

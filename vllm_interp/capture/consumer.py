@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from vllm_interp.hooks import HOOKS, parse_site_name
+from vllm_interp.hooks import HOOKS, parse_site_name, site_order
 
 
 @dataclass(frozen=True)
@@ -59,12 +59,11 @@ class CaptureMeta:
 
     @property
     def layers(self) -> list[int]:
-        return sorted({parse_site_name(s)[0] for s in self.sites})
+        return site_metadata(self.sites)["layers"]
 
     @property
     def hooks(self) -> list[str]:
-        captured = {parse_site_name(s)[1] for s in self.sites}
-        return [hook for hook in HOOKS if hook in captured]
+        return site_metadata(self.sites)["hooks"]
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -73,11 +72,29 @@ class CaptureMeta:
             "model": self.model,
             "prompt_len": self.prompt_len,
             "positions": self.positions,
-            "sites": self.sites,
-            "layers": self.layers,
-            "hooks": self.hooks,
+            **site_metadata(self.sites),
             "dtype": self.dtype,
         }
+
+
+def site_metadata(sites: list[str]) -> dict[str, Any]:
+    """The ``sites``, ``layers`` and ``hooks`` entries of capture metadata for these site names."""
+    captured = [parse_site_name(s) for s in sites]
+    return {
+        "sites": list(sites),
+        "layers": sorted({layer for layer, _ in captured}),
+        "hooks": [hook for hook in HOOKS if any(h == hook for _, h in captured)],
+    }
+
+
+def merge_stages(
+    parts: list[tuple[dict[str, torch.Tensor], dict[str, Any]]],
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """One request's capture from its pipeline stages' ``(tensors, metadata)`` (each stage holds its own
+    layers): every tensor in site order, and the first stage's metadata with the sites of the whole."""
+    tensors = {name: t for part, _ in parts for name, t in part.items()}
+    sites = sorted(tensors, key=site_order)
+    return {name: tensors[name] for name in sites}, {**parts[0][1], **site_metadata(sites)}
 
 
 @dataclass

@@ -71,8 +71,9 @@ class ResultCollector:
             for key, result in done.items():
                 self._answers[key][rank] = result
 
-    def merged(self, merge_payloads: dict[str, Any]) -> dict[str, dict[str, ConsumerResult]]:
-        """Per key, per requested consumer: the stages' results merged, or an error saying why none came."""
+    def merged(self, consumers: dict[str, Any]) -> dict[str, dict[str, ConsumerResult]]:
+        """Per key, per requested consumer: the stages' results merged (by the consumer class's
+        ``merge_results``; ``consumers`` maps names to classes), or an error saying why none came."""
         pending = self.pending
         merged = {}
         for key, names in self.requested.items():
@@ -87,7 +88,7 @@ class ResultCollector:
                         "no rows: the request never reached the model (aborted or rejected before its first step)"
                     )
                 else:
-                    results[name] = merge_stage_results(parts, merge_payloads[name])
+                    results[name] = merge_stage_results(parts, consumers[name].merge_results)
             merged[key] = results
         return merged
 

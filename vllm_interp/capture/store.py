@@ -82,17 +82,15 @@ class CaptureStore:
         self._held = set(bank.layers)
         self._entries: dict[str, _Entry | None] = {}
         self._live: set[str] = set()  # requests whose capture is not finalized yet
-        self._finalized: set[str] = set()  # by a results call, before the scheduler reported them finished
         self._by_key: dict[str, str] = {}
         self._results: dict[str, dict[str, Future]] = {}
         self._pending: list[_PendingCopy] = []
 
     # -- planning ---------------------------------------------------------------------------------------
     def lookup(self, req_id: str, extra_args: dict[str, Any] | None, prompt_len: int) -> _Entry | None:
+        # A request finalized by a results call stays here as None until the scheduler reports it finished.
         if req_id in self._entries:
             return self._entries[req_id]
-        if req_id in self._finalized:
-            return None
         args = interp_args(extra_args)
         specs = {**self.global_spec, **spec_from_wire(args.get("capture") or {})}
         entry = None
@@ -161,7 +159,6 @@ class CaptureStore:
         for req_id in finished_req_ids:
             entry = self._entries.pop(req_id, None)
             self._live.discard(req_id)
-            self._finalized.discard(req_id)
             if entry is not None:
                 self._finalize(entry, None)
 
@@ -178,7 +175,6 @@ class CaptureStore:
             if entry is not None:
                 self._entries[req_id] = None
                 self._live.discard(req_id)
-                self._finalized.add(req_id)
                 self._finalize(entry, length)
         asked = [f for key in lengths for f in self._results.get(key, {}).values()]
         if wait_s > 0:

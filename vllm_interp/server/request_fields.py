@@ -129,7 +129,7 @@ class RequestFieldsMiddleware:
             if collector.pending:
                 await asyncio.sleep(0.05)
         consumers = state.vllm_interp_consumers
-        merged = collector.merged({name: cls.merge_results for name, cls in consumers.items()})
+        merged = collector.merged(consumers)
         body["capture_results"] = {
             name: result_to_json(result, consumers[name].result_to_json) for name, result in merged[key].items()
         }

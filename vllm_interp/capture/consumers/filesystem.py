@@ -40,8 +40,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from vllm_interp.capture.consumer import CaptureConsumer, ConsumerContext, RequestCapture
-from vllm_interp.hooks import HOOKS, parse_site_name
+from vllm_interp.capture.consumer import CaptureConsumer, ConsumerContext, RequestCapture, merge_stages
+from vllm_interp.hooks import parse_site_name
 
 LAYOUTS = ("per_file", "packed", "sharded")
 COLLISION_POLICIES = ("overwrite", "error", "suffix")
@@ -468,13 +468,7 @@ def _stage_roots(root: Path) -> list[Path]:
 
 def _merge_stages(parts: list[tuple[dict[str, torch.Tensor], dict[str, Any]]]):
     """One capture from the stages' captures of the same request (each holds its own layers)."""
-    if len(parts) == 1:
-        return parts[0]
-    tensors = {name: t for part, _ in parts for name, t in part.items()}
-    sites = sorted(tensors, key=lambda n: (parse_site_name(n)[0], HOOKS.index(parse_site_name(n)[1])))
-    meta = {**parts[0][1], "sites": sites, "layers": sorted({parse_site_name(n)[0] for n in sites}),
-            "hooks": [h for h in HOOKS if any(n.endswith(f".{h}") for n in sites)]}
-    return {name: tensors[name] for name in sites}, meta
+    return parts[0] if len(parts) == 1 else merge_stages(parts)
 
 
 def list_captures(root: str | os.PathLike) -> list[str]:

@@ -14,15 +14,10 @@ from typing import Any
 import torch
 from safetensors.torch import load, save
 
-from vllm_interp.capture.consumer import CaptureConsumer, RequestCapture
-from vllm_interp.hooks import HOOKS, parse_site_name, site_name
+from vllm_interp.capture.consumer import CaptureConsumer, RequestCapture, merge_stages
+from vllm_interp.hooks import site_name, site_order
 
 METADATA_KEY = "vllm_interp"
-
-
-def _site_order(name: str) -> tuple[int, int]:
-    layer, hook = parse_site_name(name)
-    return layer, HOOKS.index(hook)
 
 
 @dataclass
@@ -57,7 +52,7 @@ class ResidualReadout:
     def from_bytes(cls, blob: bytes) -> "ResidualReadout":
         tensors = load(blob)
         metadata = json.loads(_header_metadata(blob).get(METADATA_KEY, "{}"))
-        ordered = {name: tensors[name] for name in sorted(tensors, key=_site_order)}
+        ordered = {name: tensors[name] for name in sorted(tensors, key=site_order)}
         return cls(positions=list(metadata.get("positions", [])), tensors=ordered, metadata=metadata)
 
     @classmethod
@@ -93,12 +88,8 @@ class InlineConsumer(CaptureConsumer):
     def merge_results(cls, results: list[dict[str, Any]]) -> dict[str, Any]:
         """Pipeline stages each return their own layers: one blob with all of them."""
         parts = [ResidualReadout.from_result(r) for r in results]
-        metadata = dict(parts[0].metadata)
-        tensors = {name: t for part in parts for name, t in part.tensors.items()}
-        metadata["sites"] = sorted(tensors, key=_site_order)
-        metadata["layers"] = sorted({parse_site_name(name)[0] for name in tensors})
-        metadata["hooks"] = [hook for hook in HOOKS if any(name.endswith(f".{hook}") for name in tensors)]
-        return ResidualReadout(parts[0].positions, {n: tensors[n] for n in metadata["sites"]}, metadata).to_result()
+        tensors, metadata = merge_stages([(part.tensors, part.metadata) for part in parts])
+        return ResidualReadout(parts[0].positions, tensors, metadata).to_result()
 
     @classmethod
     def result_to_json(cls, result: dict[str, Any]) -> dict[str, Any]:
