@@ -1,3 +1,6 @@
+"""Shared fixtures: the default model and its tokenizer, the shared offline engines (SmolLM2 with every feature,
+plain vLLM), the transformers reference, and `vllm-interp serve` test servers."""
+
 import gc
 import json
 import os
@@ -15,6 +18,7 @@ import pytest
 import requests
 
 from vllm_interp.default_model import prepare_default_model
+from vllm_interp.server.auth import API_KEY_ENV
 
 # Prompts of different lengths; with max_num_batched_tokens=16 the longer ones are split across steps.
 PROMPTS = [
@@ -50,6 +54,15 @@ def smollm2_tokenizer(smollm2_path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference(smollm2_path):
+    """transformers' SmolLM2 with hooks at every site: the independent reference (tests/reference.py)."""
+    from tests.reference import HookedReference
+    from tests.zoo import _input_of
+
+    return HookedReference(smollm2_path, _input_of("post_attention_layernorm"))
 
 
 @pytest.fixture(scope="session")
@@ -98,12 +111,13 @@ def parity_table():
     yield rows
     if rows:
         print("\n\nResidual-stream parity against transformers (fp32)")
-        print(f"{'architecture':<24}{'sites':>7}{'rows':>8}{'max abs diff':>15}{'max rel diff':>15}")
+        print(f"{'architecture':<28}{'sites':>7}{'rows':>8}{'max abs diff':>15}{'max rel diff':>15}  worst row")
         for name, r in rows:
-            print(f"{name:<24}{r.sites_checked:>7}{r.rows_checked:>8}{r.max_abs_diff:>15.3e}{r.max_rel_diff:>15.3e}")
+            print(f"{name:<28}{r.sites_checked:>7}{r.rows_checked:>8}{r.max_abs_diff:>15.3e}{r.max_rel_diff:>15.3e}"
+                  f"  {r.worst_row}")
 
 
-# -- `vllm-interp serve`: default model, steering on, an API key, a named vector loaded at start-up --
+# -- `vllm-interp serve`: default model, steering on, API keys (flag and env), a named vector loaded at start-up --
 VLLM_INTERP = str(Path(sys.executable).with_name("vllm-interp"))
 
 
@@ -114,11 +128,13 @@ def _free_port() -> int:
 
 
 API_KEY = "test-steering-key"
+# The session server also takes keys from the environment (two, comma-separated), beside the flag's.
+ENV_API_KEYS = ("test-env-key-one", "test-env-key-two")
 HIDDEN = 576
 
 
-def vector(seed: int, norm: float = 8.0) -> list[float]:
-    v = np.random.default_rng(seed).standard_normal(HIDDEN).astype(np.float32)
+def vector(seed: int, norm: float = 8.0, size: int = HIDDEN) -> list[float]:
+    v = np.random.default_rng(seed).standard_normal(size).astype(np.float32)
     return (v / np.linalg.norm(v) * norm).tolist()
 
 
@@ -190,7 +206,8 @@ def server(smollm2_path, server_dirs):
         "--capture-global", json.dumps(GLOBAL_CAPTURE),
     ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(server_dirs["plugins"]),
-                                                                     os.environ.get("PYTHONPATH")]))}
+                                                                     os.environ.get("PYTHONPATH")])),
+           API_KEY_ENV: ",".join(ENV_API_KEYS)}
     url, process = launch_server(args, server_dirs["captures"].parent / "server.log", env)
     try:
         yield url, process

@@ -1,55 +1,20 @@
-"""Reference residual streams from transformers, and the comparison against vllm-interp read-outs."""
+"""Comparing vllm-interp read-outs with the reference residual streams (tests/reference.py), row by row."""
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import transformers
 from vllm import SamplingParams
 
 from vllm_interp.hooks import HOOKS, site_name
 
 # fp32 on both sides; vLLM and transformers differ in kernel order (fused norms, attention, matmul
 # blocking), so values agree to float32 round-off accumulated over the layers, relative to the size of the
-# stream: |vllm - hf| <= REL_TOL * max|hf| for every site.
-REL_TOL = 2e-5
-
-
-def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
-    base = model.base_model
-    return base.layers if hasattr(base, "layers") else base.h
-
-
-def hf_residuals(
-    model_path, sequences: list[list[int]], post_attn_hook: Callable[[torch.nn.Module, list], None]
-) -> list[dict[str, torch.Tensor]]:
-    """For each token sequence: site name -> [tokens, hidden], read by transformers forward hooks."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    model.eval()
-    layers = decoder_layers(model)
-    pre, post, mid = ([[] for _ in layers] for _ in range(3))
-    for index, layer in enumerate(layers):
-        layer.register_forward_pre_hook(
-            lambda _m, args, kwargs, i=index: pre[i].append((args[0] if args else kwargs["hidden_states"])[0].clone()),
-            with_kwargs=True,
-        )
-        layer.register_forward_hook(
-            lambda _m, _a, out, i=index: post[i].append((out[0] if isinstance(out, tuple) else out)[0].clone())
-        )
-        post_attn_hook(layer, mid[index])
-    results = []
-    with torch.no_grad():
-        for sequence in sequences:
-            out = model(torch.tensor([sequence]), output_hidden_states=True)
-            sites = {}
-            for index in range(len(layers)):
-                sites[site_name(index, "pre_attn")] = pre[index].pop()
-                sites[site_name(index, "post_attn")] = mid[index].pop()
-                sites[site_name(index, "post_block")] = post[index].pop()
-                # output_hidden_states[L] is the stream entering layer L: the same tensor as the pre-hook.
-                torch.testing.assert_close(out.hidden_states[index][0], sites[site_name(index, "pre_attn")])
-            results.append(sites)
-    return results
+# row: |vllm - hf| <= REL_TOL * max|hf row| for every row (token position) of every site. Each row is held
+# to its own scale: one large row (SmolLM2's first-token stream is ~100x the others) must not loosen the
+# bound on the others, as a per-site scale did (2e-5 of the site's max was ~2e-3 of an ordinary row).
+# Measured worst row on SmolLM2: 1.9e-5 (chunked-prefill batch); the bound leaves room for step
+# composition, which moves round-off between runs.
+REL_TOL = 4e-5
 
 
 @dataclass
@@ -57,7 +22,23 @@ class ParityResult:
     sites_checked: int
     rows_checked: int
     max_abs_diff: float
-    max_rel_diff: float  # max over sites of max|diff| / max|hf|
+    max_rel_diff: float  # max over rows of max|diff| / max|hf row|
+    worst_row: str  # "site @ position" of max_rel_diff
+
+
+def row_errors(got: torch.Tensor, want: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of ``[rows, hidden]``: the max abs difference, and that relative to the row's own max|want|."""
+    diff = (got - want).abs().amax(dim=-1)
+    return diff, diff / want.abs().amax(dim=-1).clamp_min(1e-6)
+
+
+def assert_rows_close(got: torch.Tensor, want: torch.Tensor, what: str, rel_tol: float = REL_TOL) -> float:
+    """Every row within ``rel_tol`` of its own scale; returns the worst relative difference."""
+    assert got.shape == want.shape, f"{what}: {tuple(got.shape)} vs {tuple(want.shape)}"
+    _, rel = row_errors(got, want)
+    worst = int(rel.argmax())
+    assert rel[worst] <= rel_tol, f"{what}: row {worst} differs by {rel[worst]:.2e} of its max|hf|"
+    return float(rel[worst])
 
 
 def engine_sequences_and_readouts(llm, prompts: list[list[int]], max_tokens: int):
@@ -73,8 +54,8 @@ def engine_sequences_and_readouts(llm, prompts: list[list[int]], max_tokens: int
 
 
 def compare(readouts, references, num_layers: int, rel_tol: float = REL_TOL) -> ParityResult:
-    """Every site of every read-out against the reference rows at the read-out's positions."""
-    worst, worst_rel, sites, rows = 0.0, 0.0, 0, 0
+    """Every row of every site of every read-out against the reference row at the same position."""
+    worst_abs, worst_rel, worst_row, sites, rows = 0.0, 0.0, "", 0, 0
     failures = []
     for readout, reference in zip(readouts, references, strict=True):
         for layer in range(num_layers):
@@ -82,12 +63,16 @@ def compare(readouts, references, num_layers: int, rel_tol: float = REL_TOL) -> 
                 name = site_name(layer, hook)
                 got, want = readout[name], reference[name][readout.positions]
                 assert got.shape == want.shape, f"{name}: {tuple(got.shape)} vs {tuple(want.shape)}"
-                diff = (got - want).abs().max().item()
-                rel = diff / max(want.abs().max().item(), 1e-6)
-                if not rel <= rel_tol:
-                    failures.append(f"{name}: max abs diff {diff:.3e} = {rel:.2e} of max|hf|")
-                worst, worst_rel = max(worst, diff), max(worst_rel, rel)
+                diff, rel = row_errors(got, want)
+                row = int(rel.argmax())
+                where = f"{name} @ position {readout.positions[row]}"
+                if not rel[row] <= rel_tol:
+                    bad = int((rel > rel_tol).sum())
+                    failures.append(f"{where}: {diff[row]:.3e} = {rel[row]:.2e} of its row's max|hf| ({bad} rows)")
+                if rel[row] > worst_rel:
+                    worst_rel, worst_row = float(rel[row]), where
+                worst_abs = max(worst_abs, float(diff.max()))
                 sites += 1
                 rows += got.shape[0]
     assert not failures, f"{len(failures)} sites differ from transformers: " + "; ".join(failures[:10])
-    return ParityResult(sites, rows, worst, worst_rel)
+    return ParityResult(sites, rows, worst_abs, worst_rel, worst_row)

@@ -1,5 +1,5 @@
 """Small random-weight fp32 checkpoints of every supported architecture, and where transformers exposes
-each architecture's post_attn stream (the reference the parity tests compare against)."""
+each architecture's post_attn stream (for the hooked reference in tests/reference.py)."""
 
 import shutil
 from collections.abc import Callable
@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from tests.reference import PostAttnSite, stream_arg, visit_tensor
 from vllm_interp.default_model import default_model_path
 
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
@@ -19,28 +20,35 @@ TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_att
 class Arch:
     name: str
     make_config: Callable[[], transformers.PretrainedConfig]
-    # Sets up a capture of post_attn for one layer; returns a function giving [tokens, hidden].
-    post_attn: Callable[[torch.nn.Module, list], None]
+    post_attn: PostAttnSite
     model_impl: str = "auto"
     # torch.compile for one architecture of each hook form (pair layers are compiled on SmolLM2 itself);
     # the rest run eager to keep the suite's engine start-ups short. Sites are the same code either way.
     compiled: bool = False
+    # Steering is checked against transformers too: one architecture of each hook form that is not Llama's.
+    steered: bool = False
 
 
-def _input_of(child: str):
-    def install(layer, store):
-        getattr(layer, child).register_forward_pre_hook(lambda _m, args: store.append(args[0].detach()[0].clone()))
+def _input_of(child: str) -> PostAttnSite:
+    """The post_attn stream is the first input of ``child`` (a pre-MLP norm, or the MLP in post-norm blocks).
+    Editing it in place also edits the residual the layer adds back: they are one tensor."""
+    def install(layer, visit):
+        return [getattr(layer, child).register_forward_pre_hook(lambda _m, args: visit_tensor(visit, args[0]))]
     return install
 
 
-def _neox_parallel(layer, store):
+def _neox_parallel(layer, visit) -> list:
+    """Parallel residual: the stream is never materialised; it is the layer input plus the attention output,
+    and an edit changes the attention output (the MLP reads the layer input)."""
     inputs = []
-    layer.register_forward_pre_hook(
-        lambda _m, args, kwargs: inputs.append((args[0] if args else kwargs["hidden_states"]).detach()),
-        with_kwargs=True,
-    )
-    layer.attention.register_forward_hook(
-        lambda _m, _a, out: store.append((inputs.pop() + out[0].detach())[0].clone()))
+
+    def attention_out(_m, _a, out):
+        x, attn = inputs.pop(), out[0][0]
+        visit(lambda: x + attn, lambda new: attn.copy_(new - x))
+
+    return [layer.register_forward_pre_hook(lambda _m, args, kwargs: inputs.append(stream_arg(args, kwargs)[0]),
+                                            with_kwargs=True),
+            layer.attention.register_forward_hook(attention_out)]
 
 
 def _config(cls, **overrides):
@@ -62,8 +70,9 @@ ARCHS = [
     Arch("phi3", _config(transformers.Phi3Config, pad_token_id=0), _input_of("post_attention_layernorm")),
     Arch("olmo2", _config(transformers.Olmo2Config, pad_token_id=0), _input_of("mlp")),
     Arch("gpt2", lambda: transformers.GPT2Config(n_embd=128, n_layer=3, n_head=4, n_positions=1024, vocab_size=49152),
-         _input_of("ln_2"), compiled=True),
-    Arch("gpt_neox", _config(transformers.GPTNeoXConfig, use_parallel_residual=True), _neox_parallel, compiled=True),
+         _input_of("ln_2"), compiled=True, steered=True),
+    Arch("gpt_neox", _config(transformers.GPTNeoXConfig, use_parallel_residual=True), _neox_parallel, compiled=True,
+         steered=True),
     Arch("mixtral", _config(transformers.MixtralConfig, **_moe), _input_of("post_attention_layernorm")),
     Arch("qwen2_moe", _config(transformers.Qwen2MoeConfig, num_experts=4, num_experts_per_tok=2,
                               moe_intermediate_size=64, shared_expert_intermediate_size=64),
@@ -71,7 +80,7 @@ ARCHS = [
     Arch("qwen3_moe", _config(transformers.Qwen3MoeConfig, head_dim=32, num_experts=4, num_experts_per_tok=2,
                               moe_intermediate_size=64), _input_of("post_attention_layernorm")),
     Arch("transformers_llama", _config(transformers.LlamaConfig), _input_of("post_attention_layernorm"),
-         model_impl="transformers", compiled=True),
+         model_impl="transformers", compiled=True, steered=True),
 ]
 
 

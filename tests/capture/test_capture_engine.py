@@ -5,7 +5,8 @@ import pytest
 import torch
 from vllm import SamplingParams
 
-from tests.parity import compare, hf_residuals
+from tests.parity import assert_rows_close, compare
+from tests.reference import hf_residuals
 from tests.zoo import _input_of
 from vllm_interp.capture.consumers.filesystem import read_capture
 
@@ -77,8 +78,7 @@ def test_prompt_rows_served_from_the_prefix_cache_are_still_captured_exactly(
     (reference,) = hf_residuals(smollm2_path, [_sequence(every)], _input_of("post_attention_layernorm"))
     for readout in (every.residuals, last.residuals):
         for name, got in readout.tensors.items():
-            want = reference[name][readout.positions]
-            assert (got - want).abs().max() <= 2e-5 * want.abs().max(), name
+            assert_rows_close(got, reference[name][readout.positions], name)
 
 
 def test_filesystem_layouts_hold_the_rows_the_caller_got(smollm2_llm, capture_root, prompt_ids):

@@ -1,10 +1,15 @@
-"""Every layer x hook x position read by vllm-interp equals the residual stream transformers computes."""
+"""Every layer x hook x position read by vllm-interp equals the residual stream transformers computes; on one
+architecture of each non-Llama hook form, steering at every hook equals transformers steered the same way."""
 
 import pytest
+from vllm import SamplingParams
 
-from tests.conftest import ENGINE_KWARGS, shutdown
-from tests.parity import compare, engine_sequences_and_readouts, hf_residuals
+from tests.conftest import ENGINE_KWARGS, shutdown, vector
+from tests.parity import compare, engine_sequences_and_readouts
+from tests.reference import HookedReference, hf_residuals
+from tests.steering.common import LOGPROB_TOL, assert_matches_reference, moved, tokens_and_logprobs
 from tests.zoo import ARCHS, _input_of, build_checkpoint
+from vllm_interp import steered_params
 
 MAX_TOKENS = 6
 
@@ -18,15 +23,36 @@ def test_smollm2_parity(smollm2_llm, smollm2_path, prompt_ids, parity_table):
     parity_table.append(("smollm2 (real, compiled)", result))
 
 
+def _check_steering(llm, reference: HookedReference, prompt_ids) -> None:
+    """Base vectors at every hook of layer 1 and prefill vectors at layer 2's post_attn, as one batch."""
+    hidden = llm.llm_engine.model_config.get_hidden_size()
+    base = {hook: {"1": vector(i, norm=2.0, size=hidden)} for i, hook in enumerate(("pre_attn", "post_attn",
+                                                                                     "post_block"))}
+    prefill = {"post_attn": {"2": vector(9, norm=2.0, size=hidden)}}
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
+    prompts = [{"prompt_token_ids": p} for p in prompt_ids[1:]]
+    params = steered_params(greedy, steering_vectors=base, prefill_steering_vectors=prefill)
+    plain = llm.generate(prompts, greedy, use_tqdm=False)
+    steered = llm.generate(prompts, params, use_tqdm=False)
+    steering = {("base", 1, hook): entry["1"] for hook, entry in base.items()} | {("prefill", 2, "post_attn"):
+                                                                                  prefill["post_attn"]["2"]}
+    for before, output in zip(plain, steered, strict=True):
+        assert_matches_reference(reference, output, steering, "steered")
+        assert moved(tokens_and_logprobs(before), tokens_and_logprobs(output)) > 100 * LOGPROB_TOL
+
+
 @pytest.mark.parametrize("arch", ARCHS, ids=[a.name for a in ARCHS])
 def test_random_weight_parity(arch, tmp_path_factory, prompt_ids, parity_table):
     from vllm_interp import LLM
 
     path = build_checkpoint(arch, tmp_path_factory.getbasetemp() / "zoo")
-    llm = LLM(str(path), model_impl=arch.model_impl, enforce_eager=not arch.compiled, **ENGINE_KWARGS)
+    llm = LLM(str(path), model_impl=arch.model_impl, enforce_eager=not arch.compiled, enable_steering=arch.steered,
+              **ENGINE_KWARGS)
     try:
         sequences, readouts = engine_sequences_and_readouts(llm, prompt_ids, MAX_TOKENS)
         num_layers = llm.num_layers
+        if arch.steered:
+            _check_steering(llm, HookedReference(path, arch.post_attn), prompt_ids)
     finally:
         shutdown(llm)
     references = hf_residuals(path, sequences, arch.post_attn)

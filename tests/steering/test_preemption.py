@@ -1,67 +1,93 @@
-"""Preemption and global-steering cache keys: a preempted steered request resumes with the right tiers, its
-read-out neither duplicates nor loses rows, and clearing global steering never lets a later request reuse
-KV computed under the old vectors."""
+"""Preemption: requests of every steering tier and a capturing request are preempted (the test checks which
+ones were) and recomputed, and their outputs and rows still equal transformers'.
 
-import numpy as np
+A recompute after preemption runs the prompt and the tokens generated so far as one long prefill: steering
+must still pick each position's tier by whether it is in the prompt (not by the step's shape), and capture
+must keep each position once.
+"""
+
+import os
+
 import pytest
-from vllm import SamplingParams
 
-from tests.conftest import ENGINE_KWARGS, shutdown
-from tests.steering.test_steering import _greedy, _tokens_and_logprobs, _vector
+from tests.conftest import ENGINE_KWARGS, shutdown, vector
+from tests.steering.common import as_steering, assert_matches_reference, greedy
 from vllm_interp import steered_params
 
-MAX_TOKENS = 120
+MAX_TOKENS = 96  # with the prompt, within one block
+BLOCK = 128
+HOG_TOKENS = 4 * BLOCK + 8  # a prompt that needs five KV blocks
+
+
+def _record_preemptions(worker) -> None:
+    """Runs in the worker (collective_rpc): note the prompt of every request the scheduler preempts."""
+    runner = worker.model_runner
+    seen = runner.__dict__.setdefault("test_preempted_prompts", [])
+    update_states = runner._update_states
+
+    def recording(scheduler_output, *args, **kwargs):
+        for req_id in scheduler_output.preempted_req_ids or ():
+            state = runner.requests.get(req_id)
+            seen.append(tuple(state.prompt_token_ids) if state is not None else req_id)
+        return update_states(scheduler_output, *args, **kwargs)
+
+    runner._update_states = recording
+
+
+def _preempted_prompts(worker) -> list[tuple[int, ...]]:
+    return worker.model_runner.test_preempted_prompts
 
 
 @pytest.fixture(scope="module")
 def cramped_llm(smollm2_path):
-    """Room for only a few 128-token KV blocks: four growing requests must preempt each other."""
+    """Six 128-token KV blocks and priority scheduling: a five-block request preempts the others, lowest
+    priority first. A long prompt takes at most 8 of a step's 16 tokens, so the others run beside it. The
+    test sends functions to the worker (collective_rpc), which vLLM allows only with insecure serialization
+    on."""
     from vllm_interp import LLM
 
-    kwargs = dict(ENGINE_KWARGS, kv_cache_memory_bytes=5 * 128 * 46080, enforce_eager=True, disable_log_stats=False)
+    saved = os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION")
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    kwargs = dict(ENGINE_KWARGS, max_model_len=6 * BLOCK, kv_cache_memory_bytes=6 * BLOCK * 46080, enforce_eager=True,
+                  scheduling_policy="priority", long_prefill_token_threshold=8)
     llm = LLM(str(smollm2_path), enable_steering=True, max_steering_configs=4, **kwargs)
+    llm.collective_rpc(_record_preemptions)
     yield llm
     shutdown(llm)
+    if saved is None:
+        os.environ.pop("VLLM_ALLOW_INSECURE_SERIALIZATION")
+    else:
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = saved
 
 
-def _preemptions(llm) -> float:
-    return sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+def test_preempted_requests_of_every_tier_and_a_capture_equal_transformers(
+    cramped_llm, smollm2_reference, smollm2_tokenizer, prompt_ids
+):
+    tiers = {
+        "base": {"pre_attn": {"14": vector(23)}},
+        "prefill": {"post_block": {"4": vector(21)}},
+        "decode": {"post_attn": {"9": vector(22)}},
+    }
+    field = {"base": "steering_vectors", "prefill": "prefill_steering_vectors", "decode": "decode_steering_vectors"}
+    text = " ".join(f"Note {i}: the {['amber', 'teal', 'plum'][i % 3]} lamp is on." for i in range(80))
+    hog = smollm2_tokenizer(text).input_ids[:HOG_TOKENS]
+    # The hog (priority 0) runs throughout; as its prompt grows into blocks 2 to 5 the scheduler preempts the
+    # running request of the highest priority value: capture, decode, prefill, base in turn. Each resumes
+    # once the hog is done, recomputing its prompt and the tokens it had generated.
+    names = ["hog", "base", "prefill", "decode", "capture"]
+    prompts = [hog, *prompt_ids]
+    params = [greedy(4), *(steered_params(greedy(MAX_TOKENS), **{field[t]: tiers[t]}) for t in tiers),
+              greedy(MAX_TOKENS)]
+    readout = [None] * 4 + [{"hooks": {"post_block": [5], "pre_attn": [0, 29]}, "positions": "all"}]
+    outputs = cramped_llm.generate([{"prompt_token_ids": p} for p in prompts], params, readout=readout,
+                                   priority=list(range(5)), use_tqdm=False)
 
-
-def test_preempted_requests_keep_their_tiers_and_rows(cramped_llm, prompt_ids):
-    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
-    params = [
-        steered_params(greedy, prefill_steering_vectors={"post_block": {"4": _vector(21)}}),
-        steered_params(greedy, decode_steering_vectors={"post_attn": {"9": _vector(22)}}),
-        steered_params(greedy, steering_vectors={"pre_attn": {"14": _vector(23)}}),
-        greedy,
-    ]
-    prompts = [{"prompt_token_ids": p} for p in prompt_ids]
-    readout = {"hooks": {"post_block": [5]}, "positions": "all"}
-    before = _preemptions(cramped_llm)
-    together = cramped_llm.generate(prompts, params, readout=readout, use_tqdm=False)
-    assert _preemptions(cramped_llm) > before, "the KV cache was large enough: nothing was preempted"
-    for prompt, param, out in zip(prompts, params, together, strict=True):
-        alone = cramped_llm.generate([prompt], param, readout=readout, use_tqdm=False)[0]
-        tokens, logprobs = _tokens_and_logprobs(out)
-        alone_tokens, alone_logprobs = _tokens_and_logprobs(alone)
-        assert tokens == alone_tokens
-        assert np.max(np.abs(np.subtract(logprobs, alone_logprobs))) < 1e-4
-        # Every computed position exactly once, recomputed rows equal to a run without preemption.
-        expected = list(range(len(prompt["prompt_token_ids"]) + MAX_TOKENS - 1))
-        assert out.residuals.positions == expected
-        assert (out.residuals["5.post_block"] - alone.residuals["5.post_block"]).abs().max() < 1e-3
-
-
-def test_clearing_global_steering_forks_the_prefix_cache(smollm2_llm, plain_llm, smollm2_tokenizer):
-    text = " ".join(f"Entry {i}: the {['north', 'south', 'east'][i % 3]} gate opens at dawn." for i in range(40))
-    prompt = [{"prompt_token_ids": smollm2_tokenizer(text).input_ids[:400]}]
-    fresh = plain_llm.generate(prompt, _greedy(), use_tqdm=False)[0]
-    try:
-        smollm2_llm.set_steering(prefill_vectors={"post_block": {"2": _vector(31)}})
-        smollm2_llm.generate(prompt, _greedy(), use_tqdm=False)
-    finally:
-        smollm2_llm.clear_steering()
-    after = smollm2_llm.generate(prompt, _greedy(), use_tqdm=False)[0]
-    assert after.num_cached_tokens == 0, "reused KV computed under the cleared global vectors"
-    assert _tokens_and_logprobs(after) == _tokens_and_logprobs(fresh)
+    preempted = [names[prompts.index(list(p))] for worker in cramped_llm.collective_rpc(_preempted_prompts)
+                 for p in worker]
+    assert set(preempted) == {"base", "prefill", "decode", "capture"}, f"preempted: {preempted}"
+    for name, output in zip(names, outputs, strict=True):
+        steering = as_steering(name, tiers[name]) if name in tiers else {}
+        assert_matches_reference(smollm2_reference, output, steering, name)
+    # Every computed position exactly once (the last generated token is never fed back).
+    capture = outputs[-1].residuals
+    assert capture.positions == list(range(len(prompts[-1]) + MAX_TOKENS - 1))
