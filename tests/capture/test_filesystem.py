@@ -1,6 +1,10 @@
+"""The filesystem capture consumer without an engine: layouts round-trip, collisions, unsafe tags, options,
+I/O failures, and a writer killed at each step of its publish leaving exactly that step's files."""
+
 import errno
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -362,51 +366,214 @@ def test_a_failed_shard_publish_keeps_the_buffer_for_a_retry(tmp_path, monkeypat
     assert_same_tensors(read_capture(tmp_path, "req-1")[0], capture)
 
 
-KILLED_WRITER = textwrap.dedent(
+# -- a writer killed at each step of its publish -------------------------------------------------------------------
+
+# Each layout's publish, as the os calls FilesystemConsumer makes (paths relative to the root, a temp file's random
+# part as "*"), each with what a writer killed just before that call leaves under the root and whether that is a
+# complete capture. "returned" is a kill after consume() and close() returned. Derived from _write_files,
+# _write_sharded/_flush, _publish_all, _append_lines and _make_dirs: a change of order fails the trace check.
+_SITE_FILES = [f"one/{site}.safetensors" for site in SITES]
+_SITE_TEMPS = [f"one/.{site}.safetensors.*.tmp" for site in SITES]
+PUBLISH_STEPS: dict[str, tuple[str, list[tuple[list[str], list[str], bool]]]] = {
+    "packed": ("sweep/one", [
+        (["mkdir", "sweep"], [], False),
+        (["fsync", "."], ["sweep/"], False),
+        (["fsync", "sweep/.one.safetensors.*.tmp"], ["sweep/", "sweep/.one.safetensors.*.tmp"], False),
+        (["replace", "sweep/.one.safetensors.*.tmp", "sweep/one.safetensors"],
+         ["sweep/", "sweep/.one.safetensors.*.tmp"], False),
+        (["fsync", "sweep"], ["sweep/", "sweep/one.safetensors"], False),
+        (["fsync", "sweep/.one.json.*.tmp"], ["sweep/", "sweep/one.safetensors", "sweep/.one.json.*.tmp"], False),
+        (["replace", "sweep/.one.json.*.tmp", "sweep/one.json"],
+         ["sweep/", "sweep/one.safetensors", "sweep/.one.json.*.tmp"], False),
+        (["fsync", "sweep"], ["sweep/", "sweep/one.safetensors", "sweep/one.json"], True),
+        (["returned"], ["sweep/", "sweep/one.safetensors", "sweep/one.json"], True),
+    ]),
+    # Every site file is written and synced under its temp name, then all are renamed, then one directory sync.
+    "per_file": ("one", [
+        (["mkdir", "one"], [], False),
+        (["fsync", "."], ["one/"], False),
+        *[(["fsync", temp], ["one/", *_SITE_TEMPS[: i + 1]], False) for i, temp in enumerate(_SITE_TEMPS)],
+        *[(["replace", temp, data], ["one/", *_SITE_FILES[:i], *_SITE_TEMPS[i:]], False)
+          for i, (temp, data) in enumerate(zip(_SITE_TEMPS, _SITE_FILES, strict=True))],
+        (["fsync", "one"], ["one/", *_SITE_FILES], False),
+        (["fsync", "one/.meta.json.*.tmp"], ["one/", *_SITE_FILES, "one/.meta.json.*.tmp"], False),
+        (["replace", "one/.meta.json.*.tmp", "one/meta.json"], ["one/", *_SITE_FILES, "one/.meta.json.*.tmp"], False),
+        (["fsync", "one"], ["one/", *_SITE_FILES, "one/meta.json"], True),
+        (["returned"], ["one/", *_SITE_FILES, "one/meta.json"], True),
+    ]),
+    # consume() only buffers a sharded request; close() publishes the shard, then appends its index line.
+    "sharded": ("one", [
+        (["mkdir", "shards"], [], False),
+        (["fsync", "."], ["shards/"], False),
+        (["fsync", "shards/.shard-00000.safetensors.*.tmp"], ["shards/", "shards/.shard-00000.safetensors.*.tmp"],
+         False),
+        (["replace", "shards/.shard-00000.safetensors.*.tmp", "shards/shard-00000.safetensors"],
+         ["shards/", "shards/.shard-00000.safetensors.*.tmp"], False),
+        (["fsync", "shards"], ["shards/", "shards/shard-00000.safetensors"], False),
+        # The line is written before its fsync, and a killed process's writes stay in the page cache: complete.
+        (["fsync", "shards/index.jsonl"], ["shards/", "shards/shard-00000.safetensors", "shards/index.jsonl"], True),
+        (["fsync", "shards"], ["shards/", "shards/shard-00000.safetensors", "shards/index.jsonl"], True),
+        (["returned"], ["shards/", "shards/shard-00000.safetensors", "shards/index.jsonl"], True),
+    ]),
+}
+_TEMP_PART = re.compile(r"\.[0-9a-f]{8}\.tmp$")
+
+
+def normalized(path: str) -> str:
+    """A path with a temp file's random part as "*", so that runs compare equal."""
+    return _TEMP_PART.sub(".*.tmp", path)
+
+
+def tree(root: Path) -> list[str]:
+    """Every entry under root, relative, directories with a trailing "/"."""
+    return sorted(normalized(p.relative_to(root).as_posix()) + ("/" if p.is_dir() else "") for p in root.rglob("*"))
+
+
+# Imports once, then forks a writer per request line (a fresh interpreter per kill would spend ~2 s importing
+# torch). The writer logs each os call of its publish to its trace file before making it, and at call number
+# stop_at writes "frozen" and waits for the test's SIGKILL, so the kill lands exactly before that call.
+FORKING_WRITER = textwrap.dedent(
     """
-    import os, sys, time
-    import torch
-    from vllm_interp.capture.consumer import CaptureMeta, ConsumerContext, RequestCapture
-    from vllm_interp.capture.consumers.filesystem import FilesystemConsumer
+    import json, os, signal, sys, traceback
+    from pathlib import Path
+    from tests.capture.test_filesystem import make_capture, make_consumer, normalized
 
-    real_fsync = os.fsync
+    def write(root, layout, tag, stop_at, trace_path):
+        trace = open(trace_path, "w", buffering=1)
+        calls = 0
 
-    def slow_fsync(fd):
-        # Holds the writer before any rename, so the kill always lands mid-write however fast the disk is.
-        time.sleep(60)
-        real_fsync(fd)
+        def relative(path):
+            return normalized(os.path.relpath(os.fspath(path), root))
 
-    os.fsync = slow_fsync
-    sites = [f"{layer}.post_block" for layer in range(50)]
-    meta = CaptureMeta("big", "big", "m", 1000, list(range(1000)), sites, "float32")
-    capture = RequestCapture(meta, {site: torch.ones(1000, 1024) for site in sites})  # 200 MiB
-    options = FilesystemConsumer.validate_engine_options({"root": sys.argv[1]})
-    FilesystemConsumer(ConsumerContext("filesystem", options, "m", 50, 1024)).consume(capture)
+        def step(*call):
+            nonlocal calls
+            trace.write(json.dumps(call) + "\\n")
+            if calls == stop_at:
+                trace.write(json.dumps("frozen") + "\\n")
+                signal.pause()
+            calls += 1
+
+        def hook(name, describe):
+            real = getattr(os, name)
+
+            def logged(*args, **kwargs):
+                step(name, *describe(*args))
+                return real(*args, **kwargs)
+
+            setattr(os, name, logged)
+
+        consumer = make_consumer(Path(root), layout=layout)
+        hook("fsync", lambda fd: [relative(os.readlink(f"/proc/self/fd/{fd}"))])
+        for name in ("replace", "rename"):
+            hook(name, lambda src, dst: [relative(src), relative(dst)])
+        for name in ("mkdir", "unlink", "rmdir"):
+            hook(name, lambda path, *_: [relative(path)])
+        consumer.consume(make_capture(tag=tag))
+        consumer.close()
+        step("returned")
+
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the killed writers
+    for line in sys.stdin:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                write(**json.loads(line))
+            except BaseException:
+                traceback.print_exc()
+            os._exit(0)
+        print(pid, flush=True)
     """
 )
 
 
-def test_a_writer_killed_mid_write_leaves_nothing_that_looks_complete(tmp_path):
-    writer = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(tmp_path)], cwd=REPO)
+@pytest.fixture(scope="module")
+def forking_writer():
+    server = subprocess.Popen([sys.executable, "-c", FORKING_WRITER], cwd=REPO, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    yield server
+    server.stdin.close()
+    server.wait(30)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def kill_writer_at(server: subprocess.Popen, root: Path, layout: str, tag: str, stop_at: int, trace: Path) -> list:
+    """Fork a writer of ``make_capture(tag=tag)`` under ``root``, SIGKILL it just before its os call number
+    ``stop_at``, and return its trace: the calls it logged, then "frozen"."""
+    request = {"root": str(root), "layout": layout, "tag": tag, "stop_at": stop_at, "trace_path": str(trace)}
+    server.stdin.write(json.dumps(request) + "\n")
+    server.stdin.flush()
+    line = server.stdout.readline()
+    assert line, "the forking writer died (its traceback is on stderr)"
+    pid = int(line)
     try:
         deadline = time.monotonic() + 30
-        while not (temp_files(tmp_path) or visible_files(tmp_path)):
-            assert writer.poll() is None, "the writer exited before it began writing"
-            assert time.monotonic() < deadline, "the writer never began writing"
-            time.sleep(0.005)
+        while not (trace.exists() and trace.read_text().endswith('"frozen"\n')):
+            assert _alive(pid), f"the writer ended before call {stop_at}; it made {trace.read_text()}"
+            assert time.monotonic() < deadline, f"the writer never reached call {stop_at}"
+            time.sleep(0.002)
     finally:
-        writer.send_signal(signal.SIGKILL)
-        writer.wait()
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    while _alive(pid):
+        time.sleep(0.002)
+    return [json.loads(line) for line in trace.read_text().splitlines()]
 
-    assert temp_files(tmp_path) and list_captures(tmp_path) == []
-    for path in visible_files(tmp_path):
-        if path.suffix == ".safetensors":
-            assert path.with_suffix(".json").exists()
-            with safe_open(path, framework="pt"):
-                pass
-    small = make_capture(tag="big")
-    make_consumer(tmp_path).consume(small)
-    assert list_captures(tmp_path) == ["big"]
+
+def assert_published_data_is_whole(root: Path, capture: RequestCapture) -> None:
+    """Every visible data file holds all its tensors, whole: data is renamed into place only once written."""
+    for path in root.rglob("*.safetensors"):
+        if path.name.startswith("."):
+            continue
+        with safe_open(path, framework="pt") as f:
+            names = list(f.keys())
+            assert names, path
+            for name in names:
+                got = f.get_tensor(name)
+                torch.testing.assert_close(got, capture.tensors[name.rsplit("/", 1)[-1]], rtol=0, atol=0)
+
+
+KILL_POINTS = [(layout, step) for layout, (_, steps) in PUBLISH_STEPS.items() for step in range(len(steps))]
+KILL_POINT_IDS = [f"{layout}-{step}-before-{PUBLISH_STEPS[layout][1][step][0][0]}" for layout, step in KILL_POINTS]
+
+
+@pytest.mark.parametrize(("layout", "step"), KILL_POINTS, ids=KILL_POINT_IDS)
+def test_a_writer_killed_at_each_step_of_its_publish_leaves_exactly_that_steps_files(
+    forking_writer, tmp_path, layout, step
+):
+    tag, steps = PUBLISH_STEPS[layout]
+    root = (tmp_path / "root").resolve()
+    root.mkdir()
+    trace = kill_writer_at(forking_writer, root, layout, tag, step, tmp_path / "trace.jsonl")
+
+    assert trace == [*(call for call, _, _ in steps[: step + 1]), "frozen"]
+    _, on_disk, complete = steps[step]
+    assert tree(root) == sorted(on_disk)
+    written = make_capture(tag=tag)
+    assert_published_data_is_whole(root, written)
+    if complete:
+        assert list_captures(root) == [tag]
+        tensors, meta = read_capture(root, tag)
+        assert_same_tensors(tensors, written)
+        assert_sidecar(meta, written, layout, tag)
+    else:
+        assert list_captures(root) == []
+        with pytest.raises(FileNotFoundError):
+            read_capture(root, tag)
+
+    # Whatever the killed writer left, a new one (told to overwrite) publishes the tag over it.
+    fresh = make_capture(tag=tag, seed=1)
+    consumer = make_consumer(root, layout=layout, on_collision="overwrite")
+    consumer.consume(fresh)
+    consumer.close()
+    assert list_captures(root) == [tag]
+    assert_same_tensors(read_capture(root, tag)[0], fresh)
 
 
 @pytest.mark.parametrize("layout", ["packed", "per_file", "sharded"])

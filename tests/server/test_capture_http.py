@@ -67,14 +67,17 @@ def test_chat_completions_carry_results_too(server):
 
 def test_global_capture_sees_requests_without_a_capture_field(server, server_dirs):
     client, model = _client(server[0])
-    before = len(_stats_lines(server_dirs["stats"]))
     completion = client.completions.create(model=model, prompt="Two plus two is", max_tokens=2, temperature=0)
     assert "capture_results" not in completion.model_dump()
+    # The consumer's line carries the engine's request id: vLLM's completion id plus the prompt's index.
+    request_id = f"{completion.id}-0"
     deadline = time.time() + 30
-    while len(_stats_lines(server_dirs["stats"])) == before and time.time() < deadline:
+    while not (lines := [line for line in _stats_lines(server_dirs["stats"]) if line["request_id"] == request_id]):
+        assert time.time() < deadline, f"the global spec never captured {request_id}"
         time.sleep(0.2)
-    line = _stats_lines(server_dirs["stats"])[-1]
+    (line,) = lines
     assert list(line["mean_norm"]) == ["3.post_block"] and line["note"] is None
+    assert line["positions"] == [completion.usage.prompt_tokens - 1] and line["mean_norm"]["3.post_block"] > 0
 
 
 def test_streaming_requests_capture_without_results_in_the_stream(server, server_dirs):

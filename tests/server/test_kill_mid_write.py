@@ -1,18 +1,23 @@
-"""A `vllm-interp serve` killed while its filesystem consumer writes leaves no capture that looks complete
-but is not."""
+"""A `vllm-interp serve` killed while its filesystem consumer writes: every capture sent is complete, not begun,
+or (exactly one) stopped at a step of its publish that reads as incomplete; nothing looks complete but is not."""
 
 import os
 import signal
 import threading
 import time
+from pathlib import Path
 
+import pytest
 import requests
 from safetensors import safe_open
 
-from tests.conftest import SERVER_ARGS, launch_server, stop_server
+from tests.capture.test_filesystem import tree
+from tests.conftest import HIDDEN, SERVER_ARGS, launch_server, stop_server
 from vllm_interp.capture.consumers.filesystem import list_captures, read_capture
 
 PROMPT_TOKENS = 400  # x 90 sites x 576 fp32: 83 MB per request, long enough to catch a write in flight
+SITES = 90  # every hook of SmolLM2's 30 layers
+COUNT = 6  # tags sent: kill/0 .. kill/5
 
 
 def _send_captures(url: str, prompt: list[int], count: int) -> None:
@@ -25,7 +30,45 @@ def _send_captures(url: str, prompt: list[int], count: int) -> None:
             return  # the server is gone
 
 
-def test_a_server_killed_mid_write_leaves_only_complete_captures_or_hidden_temps(
+def _names(tag: str) -> tuple[str, str, str, str]:
+    """The data file, sidecar and their temps (random part as "*") a packed capture of ``tag`` writes."""
+    directory, name = tag.rsplit("/", 1)
+    return (f"{directory}/{name}.safetensors", f"{directory}/{name}.json",
+            f"{directory}/.{name}.safetensors.*.tmp", f"{directory}/.{name}.json.*.tmp")
+
+
+def _files_of(root: Path, tag: str) -> list[str]:
+    """The entries under root that belong to ``tag``, sorted (a repeated temp would show twice)."""
+    return [path for path in tree(root) if path in _names(tag)]
+
+
+def _state(root: Path, tag: str) -> str:
+    """"complete", "interrupted" or "untouched", after checking that the tag's files are exactly one of the
+    states a packed write passes through (test_filesystem.py kills a writer at each step and checks each)."""
+    data, sidecar, data_temp, sidecar_temp = _names(tag)
+    files = _files_of(root, tag)
+    if files == sorted([data, sidecar]):
+        assert tag in list_captures(root)
+        tensors, meta = read_capture(root, tag)
+        assert meta["positions"] == list(range(PROMPT_TOKENS))
+        assert len(tensors) == SITES and all(t.shape == (PROMPT_TOKENS, HIDDEN) for t in tensors.values())
+        return "complete"
+    if not files:
+        return "untouched"
+    # Killed writing or syncing the data, after publishing it, or writing or syncing the sidecar.
+    assert files in ([data_temp], [data], sorted([data, sidecar_temp])), f"{tag} left {files}"
+    assert tag not in list_captures(root)
+    with pytest.raises(FileNotFoundError):
+        read_capture(root, tag)
+    if data in files:  # published data is whole even without its sidecar
+        with safe_open(str(root / data), "pt") as handle:
+            names = list(handle.keys())
+            assert len(names) == SITES
+            assert all(handle.get_slice(n).get_shape() == [PROMPT_TOKENS, HIDDEN] for n in names)
+    return "interrupted"
+
+
+def test_a_server_killed_mid_write_leaves_each_capture_complete_untouched_or_at_one_publish_step(
     smollm2_path, smollm2_tokenizer, tmp_path
 ):
     root = tmp_path / "captures"
@@ -34,7 +77,7 @@ def test_a_server_killed_mid_write_leaves_only_complete_captures_or_hidden_temps
     url, process = launch_server(
         [*SERVER_ARGS, "--capture-consumers", f"filesystem:root={root},layout=packed"], tmp_path / "server.log"
     )
-    sender = threading.Thread(target=_send_captures, args=(url, prompt, 6), daemon=True)
+    sender = threading.Thread(target=_send_captures, args=(url, prompt, COUNT), daemon=True)
     sender.start()
     caught_in_flight = False
     try:
@@ -53,15 +96,12 @@ def test_a_server_killed_mid_write_leaves_only_complete_captures_or_hidden_temps
     sender.join(30)
     assert caught_in_flight, "no write was in flight to interrupt"
 
-    complete = list_captures(root)
-    for base in complete:  # a sidecar means complete data
-        tensors, meta = read_capture(root, base)
-        assert len(tensors) == 90 and all(t.shape == (PROMPT_TOKENS, 576) for t in tensors.values())
-    visible = [p for p in root.rglob("*") if p.is_file() and not p.name.startswith(".")]
-    for path in visible:
-        if path.suffix == ".safetensors":  # published data opens whole, sidecar or not
-            with safe_open(str(path), "pt") as handle:
-                assert len(list(handle.keys())) == 90
-    leftovers = [p for p in root.rglob("*") if p.is_file() and p.name.startswith(".")]
-    assert all(p.name.endswith(".tmp") for p in leftovers)
-    assert leftovers or len(complete) == len([p for p in visible if p.suffix == ".json"])
+    # The sender waits for each response, which carries the capture result, so the consumer writes the tags one
+    # at a time, in order: some complete, the one the kill cut short, and the rest not begun.
+    states = [_state(root, f"kill/{i}") for i in range(COUNT)]
+    assert "interrupted" in states, f"no write was interrupted: {states}"
+    cut = states.index("interrupted")
+    assert states == ["complete"] * cut + ["interrupted"] + ["untouched"] * (COUNT - cut - 1)
+    assert list_captures(root) == [f"kill/{i}" for i in range(cut)]
+    # Nothing under the root but the tags' own files.
+    assert tree(root) == sorted(["kill/", *(path for i in range(COUNT) for path in _files_of(root, f"kill/{i}"))])

@@ -13,7 +13,8 @@ Layouts (``layout``; a request may override it and ``on_collision`` in its spec)
   alone fills a shard is written at once), and at ``close()``; one JSON line per request (the metadata plus
   ``shard``) is then appended to ``<root>/shards/index.jsonl``; the last line of a base wins.
   ``consume`` returns ``pending: true`` while the request is only in memory: its data is durable once its shard
-  is published (at a later rollover or at ``close()``), and is lost if the process dies before that.
+  is published and its index line appended (at a later rollover or at ``close()``), and is lost if the process
+  dies before that.
 
 The metadata (``CaptureMeta.to_json()`` plus ``base``, ``layout`` and ``shape``) is the sidecar / index line, and
 is also stored as JSON in each safetensors header under the key ``vllm_interp`` (a shard stores its requests').
