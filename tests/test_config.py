@@ -1,3 +1,5 @@
+"""Unit checks of the configuration and the start-up gates: InterpConfig, the vLLM version, architectures."""
+
 import pytest
 
 from vllm_interp.compat import UnsupportedVllmVersion, check_vllm_version
@@ -42,9 +44,18 @@ def test_other_vllm_versions_are_refused_by_name():
 
 def test_unsupported_architecture_lists_the_supported_ones():
     check_architecture(["Olmo2ForCausalLM"])
-    check_architecture(["BertForMaskedLM"], model_impl="transformers")
     with pytest.raises(UnsupportedArchitecture, match="'BertForMaskedLM'.*Supported: .*LlamaForCausalLM"):
         check_architecture(["BertForMaskedLM"])
+
+
+def test_transformers_backend_takes_causal_lm_decoders_only():
+    # Any decoder through the backend: its layers are checked for a pre-MLP norm when the sites go in.
+    check_architecture(["BloomForCausalLM"], model_impl="transformers")
+    check_architecture(["OpenAIGPTLMHeadModel"], model_impl="transformers")
+    for encoder_or_wrapper in ("BertForMaskedLM", "BertModel", "T5ForConditionalGeneration",
+                               "Gemma3ForConditionalGeneration", "Qwen2ForSequenceClassification"):
+        with pytest.raises(UnsupportedArchitecture, match=f"'{encoder_or_wrapper}'.*decoder-only causal LM"):
+            check_architecture([encoder_or_wrapper], model_impl="transformers")
 
 
 def test_http_payloads_are_parsed_once():

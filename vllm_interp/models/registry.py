@@ -1,7 +1,7 @@
 """Supported architectures and where each exposes the residual stream; ``install_sites`` hooks a model.
 
 Keys are the vLLM model class that is actually loaded (``type(model).__name__``), so models that vLLM
-serves through its Transformers backend (OLMo2 in 0.26, or any model with ``model_impl="transformers"``)
+serves through its Transformers backend (OLMo2 in 0.26, or any causal LM with ``model_impl="transformers"``)
 are covered by the ``TransformersForCausalLM`` entry.
 """
 
@@ -85,6 +85,8 @@ SUPPORTED_ARCHITECTURES: dict[str, ArchSites] = {
 }
 # Hugging Face architectures that vLLM 0.26 serves through its Transformers backend.
 TRANSFORMERS_BACKEND_ARCHITECTURES = ("Olmo2ForCausalLM",)
+# How Hugging Face names a decoder-only model with a language-model head (GPT2LMHeadModel is the older form).
+CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 
 
 def supported_architectures() -> list[str]:
@@ -94,18 +96,21 @@ def supported_architectures() -> list[str]:
 def unsupported_message(architecture: str) -> str:
     return (
         f"vllm-interp cannot hook architecture {architecture!r}. Supported: "
-        f"{', '.join(supported_architectures())}; any other decoder through vLLM's Transformers backend "
-        "(model_impl='transformers') whose layers have a recognised pre-MLP norm."
+        f"{', '.join(supported_architectures())}; any other decoder-only causal LM (an architecture named "
+        "*ForCausalLM or *LMHeadModel) through vLLM's Transformers backend (model_impl='transformers') whose "
+        "layers have a recognised pre-MLP norm. Encoders, encoder-decoders, pooling and multimodal models are "
+        "not supported."
     )
 
 
 def check_architecture(architectures: list[str], model_impl: str = "auto") -> None:
     """Start-up check on the Hugging Face config, before an engine is built."""
-    if model_impl == "transformers":
-        return
     known = set(SUPPORTED_ARCHITECTURES) | set(TRANSFORMERS_BACKEND_ARCHITECTURES)
     for architecture in architectures:
-        if architecture not in known:
+        # The Transformers backend loads any Hugging Face model, encoders and pooling heads included; the
+        # sites are defined on decoder layers only, which Hugging Face names by their causal-LM head.
+        through_backend = model_impl == "transformers" and architecture.endswith(CAUSAL_LM_SUFFIXES)
+        if architecture not in known and not through_backend:
             raise UnsupportedArchitecture(unsupported_message(architecture))
 
 

@@ -1,0 +1,79 @@
+"""API keys on the mutating /v1/steering/* endpoints (set, clear, vectors/register, vectors/unregister).
+
+The session server takes one key from --steering-api-key and two from VLLM_INTERP_STEERING_API_KEY
+(comma-separated); each is accepted in the Authorization: Bearer header and in X-API-Key, anything else is a
+401 that changes nothing. A server with steering on and no key configured is open.
+"""
+
+import os
+
+import pytest
+import requests
+
+from tests.conftest import API_KEY, ENV_API_KEYS, SERVER_ARGS, launch_server, stop_server, vector
+from vllm_interp.server.auth import API_KEY_ENV
+
+# Every mutating endpoint with a body it accepts, in an order that leaves the server as it found it.
+CALLS = [
+    ("set", {"vectors": {"pre_attn": {"4": vector(5)}}}),
+    ("clear", None),
+    ("vectors/register", {"name": "keyed", "decode_vectors": {"post_block": {"2": vector(8)}}}),
+    ("vectors/unregister", {"name": "keyed"}),
+]
+KEYS = {"flag": API_KEY, "env-first": ENV_API_KEYS[0], "env-second": ENV_API_KEYS[1]}
+HEADER_FORMS = {
+    "bearer": lambda key: {"Authorization": f"Bearer {key}"},
+    "x-api-key": lambda key: {"X-API-Key": key},
+}
+
+
+def _post(url: str, endpoint: str, body, headers: dict[str, str] | None = None) -> requests.Response:
+    return requests.post(f"{url}/v1/steering/{endpoint}", json=body, headers=headers, timeout=60)
+
+
+def _state(url: str) -> tuple[dict, dict]:
+    return requests.get(f"{url}/v1/steering").json(), requests.get(f"{url}/v1/steering/vectors").json()
+
+
+@pytest.mark.parametrize("form", HEADER_FORMS)
+@pytest.mark.parametrize("source", KEYS)
+def test_mutating_endpoints_take_only_a_configured_key(server, source, form):
+    url, _ = server
+    as_header = HEADER_FORMS[form]
+    key = KEYS[source]
+    # The whole environment value and a key with a suffix: keys are split on commas and compared whole.
+    wrong = [None, as_header("nope"), as_header(",".join(ENV_API_KEYS)), as_header(key + "x")]
+    try:
+        for endpoint, body in CALLS:
+            before = _state(url)
+            for headers in wrong:
+                reply = _post(url, endpoint, body, headers)
+                assert reply.status_code == 401, (endpoint, headers, reply.text)
+            assert "API key" in reply.text
+            assert _state(url) == before, f"a refused {endpoint} changed the server"
+            reply = _post(url, endpoint, body, as_header(key))
+            assert reply.status_code == 200, (endpoint, reply.text)
+            assert _state(url) != before, f"an accepted {endpoint} did nothing"
+    finally:
+        _post(url, "clear", None, HEADER_FORMS["bearer"](API_KEY))
+        _post(url, "vectors/unregister", {"name": "keyed"}, HEADER_FORMS["bearer"](API_KEY))
+
+
+@pytest.fixture(scope="module")
+def open_server(smollm2_path, tmp_path_factory):
+    """Steering on, no --steering-api-key and the key variable unset (whatever the caller's shell has)."""
+    env = {name: value for name, value in os.environ.items() if name != API_KEY_ENV}
+    log = tmp_path_factory.mktemp("open-server") / "server.log"
+    url, process = launch_server([*SERVER_ARGS, "--enable-steering"], log, env)
+    try:
+        yield url
+    finally:
+        stop_server(process)
+
+
+def test_without_a_configured_key_the_endpoints_are_open(open_server):
+    for endpoint, body in CALLS:
+        before = _state(open_server)
+        reply = _post(open_server, endpoint, body)
+        assert reply.status_code == 200, (endpoint, reply.text)
+        assert _state(open_server) != before, f"an accepted {endpoint} did nothing"
