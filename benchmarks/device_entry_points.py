@@ -5,6 +5,9 @@ an installed distribution's metadata. This writes that metadata (from pyproject.
 the repository root on PYTHONPATH.
 
     python benchmarks/device_entry_points.py DIR
+
+``tests/gpu/run-on-device`` uses it: it has worked on the device, where ``pip install -e .`` (which needs the
+setuptools that pyproject.toml names) has not been tried.
 """
 
 import sys

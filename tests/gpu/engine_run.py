@@ -1,0 +1,133 @@
+"""One engine mode of the GPU tests, run in a process of its own; saves what the tests compare.
+
+    python -m tests.gpu.engine_run MODE MODEL_DIR CAPTURE_ROOT OUT.pt
+
+Each mode is one ``vllm_interp.LLM`` on the same random fp32 Llama: ``eager`` (one GPU, the reference),
+``graphs`` (one GPU, torch.compile + CUDA graphs), ``tp2`` and ``pp2`` (two GPUs). It runs the same
+workloads in every mode and saves plain data (tensors, lists, strings), so the tests can compare modes.
+One engine per process, in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by the caller): that is how
+these checks first ran on the device (an engine core in its own process once hung at start there), and a
+fresh process leaves no CUDA or distributed state from one engine to the next.
+"""
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from vllm import SamplingParams
+
+from tests.parity import engine_sequences_and_readouts
+from vllm_interp import LLM, steered_params
+from vllm_interp.hooks import HOOKS
+
+HIDDEN, LAYERS = 256, 4
+# Lengths 19 and 30 exceed the 16-token step, so prompts are chunked and mixed with decode steps.
+PROMPT_LENGTHS = (5, 19, 7, 30)
+GREEDY = dict(temperature=0.0, max_tokens=6, ignore_eos=True)
+FILE_SITES = {"post_block": [1, 2]}
+MODES = {
+    "eager": dict(enforce_eager=True),
+    "graphs": dict(enforce_eager=False),
+    "tp2": dict(enforce_eager=True, tensor_parallel_size=2),
+    "pp2": dict(enforce_eager=True, pipeline_parallel_size=2),
+}
+# Steering under graphs is the question; across GPUs only capture is checked.
+STEERED_MODES = ("eager", "graphs")
+
+
+def gpus_needed(mode: str) -> int:
+    return MODES[mode].get("tensor_parallel_size", 1) * MODES[mode].get("pipeline_parallel_size", 1)
+
+
+def build_llama(path: Path) -> Path:
+    """A random fp32 Llama, small enough to build on the device (weights cannot travel) in a second."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=HIDDEN, intermediate_size=512, num_hidden_layers=LAYERS,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                                      max_position_embeddings=1024, tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(config).to(torch.float32)
+    # As tests/zoo.py does: default init leaves norms at 1 and biases at 0, which could hide a wrong tensor.
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.02)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def prompts(seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 500, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
+
+
+def _readout_data(readouts) -> list[dict | None]:
+    return [None if r is None else {"positions": list(r.positions), "tensors": dict(r.tensors)} for r in readouts]
+
+
+def capture_to_consumers(llm) -> dict:
+    """Every site at every position inline, two sites to files (tagged ``req-i``)."""
+    inputs = [{"prompt_token_ids": p} for p in prompts(1)]
+    captures = [{"inline": {"positions": "all"},
+                 "filesystem": {"hooks": FILE_SITES, "positions": "all", "tag": f"req-{i}"}}
+                for i in range(len(inputs))]
+    outputs = llm.generate(inputs, SamplingParams(**GREEDY), capture=captures, use_tqdm=False)
+    return {
+        "statuses": [{name: r.status for name, r in o.capture.items()} for o in outputs],
+        "messages": [m for o in outputs for r in o.capture.values() if (m := r.message)],
+        # A failed inline result leaves no rows; the statuses say why.
+        "readouts": _readout_data(getattr(o, "residuals", None) for o in outputs),
+    }
+
+
+def steer(llm) -> dict[str, list[float]]:
+    """Logprobs of the sampled tokens for each steering case (vectors at every site of every layer)."""
+    generator = torch.Generator().manual_seed(2)
+    spec = {hook: {str(layer): (torch.randn(HIDDEN, generator=generator) * 2).tolist() for layer in range(LAYERS)}
+            for hook in HOOKS}
+    logprobs_params = SamplingParams(**GREEDY, logprobs=0)
+    cases = {
+        "unsteered": logprobs_params,
+        "base": steered_params(logprobs_params, steering_vectors=spec),
+        "prefill": steered_params(logprobs_params, prefill_steering_vectors=spec),
+        "decode": steered_params(logprobs_params, decode_steering_vectors=spec),
+    }
+    # Other prompts than the capture workload's, so that prefix-cache hits stay within this workload.
+    inputs = [{"prompt_token_ids": p} for p in prompts(2)]
+
+    def logprobs(outputs) -> list[float]:
+        return [step[token].logprob for o in outputs
+                for step, token in zip(o.outputs[0].logprobs, o.outputs[0].token_ids, strict=True)]
+
+    result = {name: logprobs(llm.generate(inputs, params, use_tqdm=False)) for name, params in cases.items()}
+    mixed = llm.generate(inputs[:2], [cases["base"], cases["unsteered"]], use_tqdm=False)
+    result["mixed_unsteered"] = logprobs(mixed[1:])
+    result["pair_unsteered"] = logprobs(llm.generate(inputs[:2], cases["unsteered"], use_tqdm=False)[1:])
+    llm.set_steering(vectors=spec)
+    result["global"] = logprobs(llm.generate(inputs, cases["unsteered"], use_tqdm=False))
+    llm.clear_steering()
+    result["after_clear"] = logprobs(llm.generate(inputs, cases["unsteered"], use_tqdm=False))
+    return result
+
+
+def run(mode: str, model: Path, capture_root: Path) -> dict:
+    start = time.perf_counter()
+    llm = LLM(str(model), dtype="float32", attention_backend="TRITON_ATTN", skip_tokenizer_init=True,
+              max_model_len=512, max_num_batched_tokens=16, max_num_seqs=8, gpu_memory_utilization=0.3, seed=0,
+              capture_consumers=("inline", f"filesystem:root={capture_root}"),
+              enable_steering=mode in STEERED_MODES, **MODES[mode])
+    result = {"mode": mode, "engine_init_s": time.perf_counter() - start,
+              "cudagraph_mode": str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode)}
+    sequences, readouts = engine_sequences_and_readouts(llm, prompts(1), max_tokens=GREEDY["max_tokens"])
+    result["parity"] = {"sequences": sequences, "readouts": _readout_data(readouts)}
+    result["capture"] = capture_to_consumers(llm)
+    if mode in STEERED_MODES:
+        result["steering"] = steer(llm)
+    llm.shutdown()
+    return result
+
+
+if __name__ == "__main__":
+    mode, model, capture_root, out = sys.argv[1:]
+    torch.save(run(mode, Path(model), Path(capture_root)), out)
+    print(f"engine_run {mode}: done", flush=True)
