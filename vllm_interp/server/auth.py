@@ -29,5 +29,5 @@ def require_key(request: Request, keys: list[bytes]) -> None:
     # Compare against every key so the time taken does not depend on which one matched.
     matched = [hmac.compare_digest(given, key) for key in keys]
     if not any(matched):
-        raise HTTPException(status_code=401,
-                            detail="a valid steering API key is required (Authorization: Bearer KEY, or X-API-Key: KEY)")
+        detail = "a valid steering API key is required (Authorization: Bearer KEY, or X-API-Key: KEY)"
+        raise HTTPException(status_code=401, detail=detail)
