@@ -84,13 +84,13 @@ def capture_root() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_llm(smollm2_path, capture_root):
-    """The shared SmolLM2 engine: fp32, torch.compile on, chunked prefill forced small, steering and the
-    built-in capture consumers enabled. Tests that set global steering clear it before they return."""
+    """The shared SmolLM2 engine: fp32, torch.compile on, chunked prefill forced small, steering, patching and
+    the built-in capture consumers enabled. Tests that set global steering clear it before they return."""
     from vllm_interp import LLM
 
     consumers = ("inline", f"filesystem:root={capture_root}", "logging:max_positions=4")
-    llm = LLM(str(smollm2_path), enable_steering=True, max_steering_configs=4, capture_consumers=consumers,
-              **ENGINE_KWARGS)
+    llm = LLM(str(smollm2_path), enable_steering=True, max_steering_configs=4, enable_patching=True,
+              capture_consumers=consumers, **ENGINE_KWARGS)
     yield llm
     shutdown(llm)
 
@@ -198,7 +198,7 @@ SERVER_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "512"
 def server(smollm2_path, server_dirs):
     server_dirs["vectors"].write_text(json.dumps({"vectors": {"post_block": {"6": vector(42)}}}))
     args = [
-        *SERVER_ARGS, "--enable-steering",
+        *SERVER_ARGS, "--enable-steering", "--enable-patching",
         "--steering-api-key", API_KEY, "--steering-vectors", f"formal={server_dirs['vectors']}",
         "--max-steering-configs", "2",
         "--capture-consumers", "inline", "--capture-consumers", f"filesystem:root={server_dirs['captures']}",

@@ -40,3 +40,13 @@ def test_openai_client_capture_example(server):
     out = _load("capture_openai_client").main(url)
     assert out["text"].startswith(" Paris")
     assert out["sites"] == ["10.post_block", "20.post_block"] and out["shape"][1] == 576
+
+
+def test_patch_study_example_writes_a_heatmap(server, tmp_path):
+    url, _ = server
+    out = _load("patch_study").main(url, str(tmp_path / "eiffel.png"), API_KEY)
+    assert (tmp_path / "eiffel.png").stat().st_size > 10_000
+    grid = out["grid"]
+    assert grid.shape == (30, 10) and out["tokens"][1] == "ĠCol"
+    # The clean answer comes back fully when the subject is restored early, and not from unrelated tokens.
+    assert grid[0, 1:4].max() > 0.5 and abs(grid[0, 0]) < 0.05

@@ -5,8 +5,8 @@ from vllm_interp.hooks import HOOKS, site_name
 __version__ = "0.1.0"
 
 __all__ = [
-    "HOOKS", "LLM", "CaptureConsumer", "ResidualReadout", "__version__", "pack_vectors", "site_name",
-    "steered_params",
+    "HOOKS", "LLM", "CaptureConsumer", "ResidualReadout", "__version__", "pack_vectors", "patched_params",
+    "site_name", "steered_params",
 ]
 
 
@@ -20,6 +20,10 @@ def __getattr__(name: str):
         from vllm_interp.steering.params import steered_params
 
         return steered_params
+    if name == "patched_params":
+        from vllm_interp.patching.params import patched_params
+
+        return patched_params
     if name == "pack_vectors":
         from vllm_interp.steering.vectors import pack_vectors
 

@@ -1,4 +1,4 @@
-"""The `vllm-interp` command: serve, demo, models."""
+"""The `vllm-interp` command: serve, trace, demo, models."""
 
 import argparse
 import sys
@@ -24,6 +24,7 @@ def _demo(args: argparse.Namespace) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+    from vllm_interp.client.trace import add_trace_parser
     from vllm_interp.server.serve import add_serve_parser
 
     parser = FlexibleArgumentParser(
@@ -31,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="subparser", required=True)
     add_serve_parser(sub)
+    add_trace_parser(sub)
 
     demo = sub.add_parser("demo", help="Run the main job on the default model: a completion plus a read-out.")
     demo.add_argument("--model", default=None, help="Model path (default: SmolLM2-135M-Instruct).")
@@ -59,3 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     cli_env_setup()
     args = build_parser().parse_args(argv)
     args.dispatch_function(args)
+
+
+if __name__ == "__main__":
+    main()

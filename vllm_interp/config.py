@@ -10,10 +10,16 @@ from vllm_interp.hooks import HOOKS
 ADDITIONAL_CONFIG_KEY = "vllm_interp"
 # Bumped whenever the installed hook sites (their placement or the ops they call) change, so that vLLM's
 # compile cache, keyed on additional_config, never reuses a graph traced with other hooks.
-SITE_SCHEME = "residual-sites/3:" + ",".join(HOOKS)
+SITE_SCHEME = "residual-sites/4:" + ",".join(HOOKS)
 # The capture overload policies (vllm_interp.capture.dispatch); kept here so the config has no torch import.
 OVERLOAD_POLICIES = ("block", "drop", "spill")
 DEFAULT_MAX_STEERING_CONFIGS = 8
+DEFAULT_MAX_PATCH_ROWS = 1024
+DEFAULT_PATCH_SOURCE_BYTES = 1 << 30
+# Cells one /v1/patch_sweep request may ask for (a frontend setting: not part of the engine config).
+DEFAULT_MAX_SWEEP_CELLS = 4096
+# The capture consumer --enable-patching adds: it keeps source runs for patching in worker memory.
+PATCH_SOURCE_CONSUMER = "patch_source"
 
 
 def parse_consumer_spec(spec: str) -> tuple[str, dict[str, str]]:
@@ -36,6 +42,10 @@ class InterpConfig:
     # Distinct per-request steering configs resident at once (each owns two rows of every layer's table).
     max_steering_configs: int = DEFAULT_MAX_STEERING_CONFIGS
     enable_patching: bool = False
+    # Patched rows one step can hold (the site op's value table, shared by every site).
+    max_patch_rows: int = DEFAULT_MAX_PATCH_ROWS
+    # Worker memory for patch source runs (least recently used runs are evicted beyond it).
+    patch_source_bytes: int = DEFAULT_PATCH_SOURCE_BYTES
     # `--capture-consumers` flags: "name[:key=val,...]".
     capture_consumers: tuple[str, ...] = ()
     # A capture spec (JSON) applied to every request, besides the request's own.
@@ -50,10 +60,14 @@ class InterpConfig:
         if self.capture_overload_policy not in OVERLOAD_POLICIES:
             raise ValueError(f"capture_overload_policy must be one of {', '.join(OVERLOAD_POLICIES)}, "
                              f"got {self.capture_overload_policy!r}")
+        for name, value in (("max_patch_rows", self.max_patch_rows), ("patch_source_bytes", self.patch_source_bytes)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
         for spec in self.capture_consumers:
-            parse_consumer_spec(spec)
+            if parse_consumer_spec(spec)[0] == PATCH_SOURCE_CONSUMER:
+                raise ValueError(f"{PATCH_SOURCE_CONSUMER} is enabled by --enable-patching, not --capture-consumers")
         if self.capture_global:
-            if not self.capture_consumers:
+            if not self.consumers:
                 raise ValueError("capture_global needs capture consumers (--capture-consumers)")
             try:
                 json.loads(self.capture_global)
@@ -65,8 +79,13 @@ class InterpConfig:
             object.__setattr__(self, "package_version", __version__)
 
     @property
+    def consumers(self) -> tuple[str, ...]:
+        """Every enabled consumer's flag: ``--capture-consumers``, and ``patch_source`` with patching."""
+        return self.capture_consumers + ((PATCH_SOURCE_CONSUMER,) if self.enable_patching else ())
+
+    @property
     def consumer_names(self) -> list[str]:
-        return [parse_consumer_spec(spec)[0] for spec in self.capture_consumers]
+        return [parse_consumer_spec(spec)[0] for spec in self.consumers]
 
     @property
     def hooks_needed(self) -> bool:

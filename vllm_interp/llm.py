@@ -1,34 +1,44 @@
 """``vllm_interp.LLM``: vLLM's offline ``LLM`` plus the interpretability options."""
 
 import json
-import time
 from collections.abc import Sequence
 from typing import Any
-from uuid import uuid4
 
 import vllm
 from vllm import RequestOutput, SamplingParams
 
 from vllm_interp.capture.consumers.inline import ResidualReadout
 from vllm_interp.capture.plugins import consumer_class
-from vllm_interp.capture.results import ConsumerResult, ResultCollector
-from vllm_interp.capture.spec import CaptureSpec, spec_to_wire, validate_capture_spec
+from vllm_interp.capture.spec import CaptureSpec, validate_capture_spec
 from vllm_interp.compat import check_vllm_version
-from vllm_interp.config import DEFAULT_MAX_STEERING_CONFIGS, InterpConfig
+from vllm_interp.config import DEFAULT_MAX_PATCH_ROWS, DEFAULT_MAX_STEERING_CONFIGS, InterpConfig
 from vllm_interp.default_model import resolve_model
 from vllm_interp.engine.args import check_model_architecture, interp_engine_args
+from vllm_interp.frontend import (
+    RESULTS_RPC,
+    SOURCES_RPC,
+    InterpFrontend,
+    PreparedRequest,
+    collect_results,
+    combined_generations,
+)
+from vllm_interp.patching.params import raw_patch
+from vllm_interp.patching.spec import PatchError, PatchSpec
+from vllm_interp.patching.tables import PATCH_RESULT
 from vllm_interp.request_args import EXTRA_ARGS_KEY
 from vllm_interp.steering.params import raw_steering_fields
 from vllm_interp.steering.state import SteeringState
 from vllm_interp.steering.vectors import ModelShape, SteeringVectors
 
 SpecArg = dict[str, Any] | Sequence[dict[str, Any] | None] | None
-# How long generate() waits for consumers to finish a batch's requests before reporting them as errors.
-RESULTS_TIMEOUT_S = 600.0
 
 
 class CaptureError(RuntimeError):
     """``readout=`` could not return every requested row (the inline consumer's status was not ok)."""
+
+
+class PatchFailed(RuntimeError):
+    """A patched request could not be patched as specified (its output is not a patched result)."""
 
 
 class LLM(vllm.LLM):
@@ -52,6 +62,8 @@ class LLM(vllm.LLM):
         enable_steering: bool = False,
         max_steering_configs: int = DEFAULT_MAX_STEERING_CONFIGS,
         enable_patching: bool = False,
+        max_patch_rows: int = DEFAULT_MAX_PATCH_ROWS,
+        patch_source_bytes: int | None = None,
         **kwargs: Any,
     ) -> None:
         check_vllm_version()
@@ -60,6 +72,8 @@ class LLM(vllm.LLM):
             enable_steering=enable_steering,
             max_steering_configs=max_steering_configs,
             enable_patching=enable_patching,
+            max_patch_rows=max_patch_rows,
+            **({"patch_source_bytes": patch_source_bytes} if patch_source_bytes is not None else {}),
             capture_consumers=tuple(capture_consumers),
             capture_global=json.dumps(capture_global) if capture_global else "",
             capture_overload_policy=capture_overload_policy,
@@ -78,9 +92,11 @@ class LLM(vllm.LLM):
         super().__init__(model=model, **kwargs)
         model_config = self.llm_engine.model_config
         self.num_layers = model_config.get_total_num_hidden_layers()
-        self.steering = SteeringState(ModelShape(self.num_layers, model_config.get_hidden_size()),
-                                      enabled=enable_steering)
+        self.shape = ModelShape(self.num_layers, model_config.get_hidden_size())
+        self.steering = SteeringState(self.shape, enabled=enable_steering)
         self._consumers = {name: consumer_class(name) for name in self.interp_config.consumer_names}
+        self.frontend = InterpFrontend(self.steering, self._consumers, patching=enable_patching,
+                                       max_patch_rows=max_patch_rows)
 
     def generate(self, prompts: Any, sampling_params: Any = None, *, capture: SpecArg = None,
                  readout: SpecArg = None, **kwargs: Any):
@@ -89,17 +105,18 @@ class LLM(vllm.LLM):
         ``vllm_interp.steered_params`` are steered."""
         count = _count_prompts(prompts)
         captures = self._capture_specs(count, capture, readout)
-        params, keys = self._prepare(count, sampling_params, captures)
+        params, prepared = self._prepare(count, sampling_params, captures)
+        _refuse_patched_media(prompts, prepared)
         outputs = super().generate(prompts, params, **kwargs)
-        return self._attach_results(outputs, keys, captures, strict=readout is not None)
+        return self._attach_results(outputs, prepared, strict=readout is not None)
 
     def chat(self, messages: Any, sampling_params: Any = None, *, capture: SpecArg = None,
              readout: SpecArg = None, **kwargs: Any):
         count = 1 if messages and isinstance(messages[0], dict) else len(messages)
         captures = self._capture_specs(count, capture, readout)
-        params, keys = self._prepare(count, sampling_params, captures)
+        params, prepared = self._prepare(count, sampling_params, captures)
         outputs = super().chat(messages, params, **kwargs)
-        return self._attach_results(outputs, keys, captures, strict=readout is not None)
+        return self._attach_results(outputs, prepared, strict=readout is not None)
 
     # -- steering (the offline twins of /v1/steering/*) ------------------------------------------------
     def set_steering(self, vectors: Any = None, prefill_vectors: Any = None, decode_vectors: Any = None,
@@ -162,66 +179,92 @@ class LLM(vllm.LLM):
         return [None if spec is None else validated[id(spec)] for spec in specs]
 
     def _prepare(self, count: int, sampling_params: Any,
-                 captures: list[CaptureSpec | None]) -> tuple[list[SamplingParams], list[str | None]]:
-        """Per-prompt SamplingParams with the vllm-interp payload in ``extra_args``; capture keys."""
+                 captures: list[CaptureSpec | None]) -> tuple[list[SamplingParams], list[PreparedRequest]]:
+        """Per-prompt SamplingParams with the vllm-interp payload in ``extra_args``."""
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         base = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params] * count
         if len(base) != count:
             raise ValueError(f"sampling_params: got {len(base)} for {count} prompts")
         params: list[SamplingParams] = []
-        keys: list[str | None] = []
-        # One SamplingParams shared by many prompts is validated once.
-        payloads: dict[int, dict[str, Any]] = {}
+        prepared: list[PreparedRequest] = []
+        patches = self._patch_specs(base)
         for spec, param in zip(captures, base, strict=True):
-            if id(param) not in payloads:
-                payloads[id(param)] = self.steering.request_payload(raw_steering_fields(param))
-            payload = dict(payloads[id(param)])
-            key = None
-            if spec is not None:
-                if param.n > 1:
-                    raise ValueError("capture: SamplingParams.n > 1 is not supported; submit the prompt n times")
-                key = uuid4().hex
-                payload.update(capture=spec_to_wire(spec), capture_key=key)
+            patch = patches.get(id(param))
+            if (spec is not None or patch is not None) and param.n > 1:
+                raise ValueError("capture and patch: SamplingParams.n > 1 is not supported; submit the prompt n times")
+            request = self.frontend.prepare(raw_steering_fields(param), spec, patch, collect=True)
             param = param.clone()
             # The normalised payload replaces whatever the caller put under our key (the raw fields of
-            # steered_params included): nothing unvalidated reaches the engine.
-            param.extra_args = {**(param.extra_args or {}), EXTRA_ARGS_KEY: payload}
+            # steered_params and patched_params included): nothing unvalidated reaches the engine.
+            param.extra_args = {**(param.extra_args or {}), EXTRA_ARGS_KEY: request.payload}
             params.append(param)
-            keys.append(key)
-        return params, keys
+            prepared.append(request)
+        return params, prepared
 
-    def _attach_results(self, outputs: list[RequestOutput], keys: list[str | None],
-                        captures: list[CaptureSpec | None], *, strict: bool) -> list[RequestOutput]:
-        lengths = {
-            key: len(output.prompt_token_ids) + len(output.outputs[0].token_ids)
-            for output, key in zip(outputs, keys, strict=True) if key is not None
-        }
-        if not lengths:
+    def _patch_specs(self, params: list[SamplingParams]) -> dict[int, PatchSpec]:
+        """The validated patch spec of each distinct SamplingParams that carries one (validated once)."""
+        raw = {id(p): spec for p in params if (spec := raw_patch(p)) is not None}
+        if not raw:
+            return {}
+        generations = combined_generations(self.collective_rpc(SOURCES_RPC)) if self.interp_config.enable_patching \
+            else {}
+        specs = {}
+        for key, spec in raw.items():
+            validated = self.frontend.validate_patch(spec, generations.get)
+            if validated is not None:
+                specs[key] = validated
+        return specs
+
+    def _attach_results(self, outputs: list[RequestOutput], prepared: list[PreparedRequest], *,
+                        strict: bool) -> list[RequestOutput]:
+        by_key = {p.key: p for p in prepared if p.key is not None}
+        if not by_key:
             return outputs
-        requested = {key: list(spec) for key, spec in zip(keys, captures, strict=True) if key is not None}
-        results = self.capture_results(lengths, requested)
-        for output, key in zip(outputs, keys, strict=True):
-            if key is None:
+        lengths = {
+            p.key: len(output.prompt_token_ids) + len(output.outputs[0].token_ids)
+            for output, p in zip(outputs, prepared, strict=True) if p.key is not None
+        }
+        collector = self.frontend.collector(lengths, by_key)
+        collect_results(collector, lambda pending, wait_s: self.collective_rpc(RESULTS_RPC, args=(pending, wait_s)))
+        results = self.frontend.merged(collector)
+        failed = []
+        for output, p in zip(outputs, prepared, strict=True):
+            if p.key is None:
                 continue
-            output.capture = results[key]
+            output.capture = {name: r for name, r in results[p.key].items() if name != PATCH_RESULT}
+            output.patch = results[p.key].get(PATCH_RESULT)
+            if output.patch is not None and output.patch.status != "ok":
+                failed.append(f"request {output.request_id}: {output.patch.message}")
             inline = output.capture.get("inline")
             if inline is not None and inline.result is not None:
                 output.residuals = ResidualReadout.from_result(inline.result)
-            if strict and (inline is None or inline.status != "ok"):
+            if strict and "inline" in p.expects and (inline is None or inline.status != "ok"):
                 message = inline.message if inline is not None else "no result"
                 raise CaptureError(f"request {output.request_id}: readout failed: {message}")
+        if failed:
+            raise PatchFailed("; ".join(failed))
         return outputs
 
-    def capture_results(self, lengths: dict[str, int], requested: dict[str, list[str]],
-                        timeout_s: float = RESULTS_TIMEOUT_S) -> dict[str, dict[str, ConsumerResult]]:
-        """Each requested consumer's result for the requests with these capture keys (key -> final sequence
-        length), merged over pipeline stages. Polls, so that a slow consumer never holds the engine."""
-        collector = ResultCollector(lengths, requested)
-        deadline = time.monotonic() + timeout_s
-        while collector.pending and time.monotonic() < deadline:
-            collector.add(self.collective_rpc("interp_capture_results", args=(collector.pending, 0.2)))
-        return collector.merged(self._consumers)
+    def patch_sources(self) -> dict[str, dict[str, Any]]:
+        """The stored patch source runs (``patch_source`` captures), by run id, as the workers hold them."""
+        merged: dict[str, dict[str, Any]] = {}
+        for rank in self.collective_rpc(SOURCES_RPC):
+            for run_id, info in rank.items():
+                merged.setdefault(run_id, info)
+        return merged
+
+    def delete_patch_source(self, run_id: str) -> bool:
+        """Forget a source run on every worker; whether any held it."""
+        return any(self.collective_rpc("interp_delete_patch_source", args=(run_id,)))
+
+
+def _refuse_patched_media(prompts: Any, prepared: list[PreparedRequest]) -> None:
+    """Patching is text-only: positions index text tokens, which multimodal placeholders would shift."""
+    listed = [prompts] if isinstance(prompts, str | dict) or (prompts and isinstance(prompts[0], int)) else prompts
+    for prompt, request in zip(listed, prepared, strict=False):
+        if "patch" in request.payload and isinstance(prompt, dict) and prompt.get("multi_modal_data"):
+            raise PatchError("patch: patching is text-only; this prompt carries multimodal data")
 
 
 def _count_prompts(prompts: Any) -> int:

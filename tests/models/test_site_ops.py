@@ -1,24 +1,98 @@
+"""The site op alone: what it writes (patching), adds (steering) and reads (capture), on plain tensors."""
+
 import pytest
 import torch
 
-from vllm_interp.models.site_ops import STEP, StepReads, site
+from vllm_interp.models.site_ops import STEP, StepReads, _write_all, _write_rows, site
 
 HIDDEN = 8
 LAYER = 2
+NO_PATCH = (torch.zeros(3, 1, dtype=torch.long), torch.zeros(1, HIDDEN), torch.zeros(1), None)
 
 
-def _run(hidden, residual, *, rows=None, sites=((LAYER, 1),), index=None, table=None, hook=1):
-    """One site op call at (LAYER, hook); returns what it read (None: nothing)."""
+def _run(hidden, residual, *, rows=None, sites=((LAYER, 1),), index=None, table=None, hook=1, patch=NO_PATCH,
+         hidden_in_use=False):
+    """One site op call at (LAYER, hook), as an eager step runs it; returns what it read (None: nothing).
+    ``patch``: what ``_patch`` builds."""
     tokens = hidden.reshape(-1, HIDDEN).shape[0]
     index = torch.zeros(tokens, dtype=torch.long) if index is None else index
     table = torch.zeros(3, 1, HIDDEN) if table is None else table
     reads = None if rows is None else StepReads(rows, frozenset(sites))
-    STEP.reads, STEP.steer = reads, table.shape[1] > 1
+    *buffers, planned = patch
+    STEP.reads, STEP.steer, STEP.patch = reads, table.shape[1] > 1, planned
     try:
-        site(hidden, residual, index, table, LAYER, hook)
+        site(hidden, residual, index, table, *buffers, LAYER, hook, hidden_in_use)
     finally:
-        STEP.reads, STEP.steer = None, False
+        STEP.reads, STEP.steer, STEP.patch = None, False, None
     return None if reads is None else reads.out.get((LAYER, hook))
+
+
+def _patch(tokens: int, rows: dict[int, tuple[torch.Tensor, float]], hook: int = 1):
+    """Patch buffers putting ``rows`` (token row -> (value, alpha)) at ``hook``: the index ``[3, tokens]``, the
+    value table, the alphas (what a CUDA graph reads), and the step's plan for the site (what an eager step
+    reads), as the runner fills both."""
+    index = torch.zeros(3, tokens, dtype=torch.long)
+    values, alphas = torch.zeros(len(rows) + 1, HIDDEN), torch.zeros(len(rows) + 1)
+    for slot, (row, (value, alpha)) in enumerate(rows.items(), start=1):
+        index[hook, row], values[slot], alphas[slot] = slot, value, alpha
+    planned = {(LAYER, hook): (torch.tensor(list(rows)), values[1:], alphas[1:])}
+    return index, values, alphas, planned
+
+
+@pytest.mark.parametrize("pair", [False, True])
+def test_a_full_patch_copies_the_source_exactly_and_leaves_other_rows_untouched(pair):
+    hidden, residual = torch.randn(5, HIDDEN), torch.randn(5, HIDDEN) if pair else None
+    before = (hidden.clone(), residual.clone() if pair else None)
+    source = torch.randn(HIDDEN)
+    out = _run(hidden, residual, rows=torch.tensor([3, 1]), patch=_patch(5, {3: (source, 1.0)}))
+    assert torch.equal(out[0], source)  # a read at the same site sees the patched stream
+    stream = hidden + residual if pair else hidden
+    assert torch.equal(stream[3], source)
+    for row in (0, 1, 2, 4):  # bit for bit, both halves of a pair
+        assert torch.equal(hidden[row], before[0][row])
+        if pair:
+            assert torch.equal(residual[row], before[1][row])
+    if pair:  # the true stream moves into the residual: later fused add+norm kernels see exactly the source
+        assert torch.equal(hidden[3], torch.zeros(HIDDEN)) and torch.equal(residual[3], source)
+
+
+def test_alpha_interpolates_between_the_stream_and_the_source():
+    hidden = torch.randn(3, HIDDEN)
+    x, source = hidden[1].clone(), torch.randn(HIDDEN)
+    _run(hidden, None, patch=_patch(3, {1: (source, 0.25)}))
+    torch.testing.assert_close(hidden[1], 0.75 * x + 0.25 * source)
+    unpatched = hidden.clone()
+    _run(hidden, None, patch=_patch(3, {1: (source, 0.0)}))
+    assert torch.equal(hidden, unpatched)
+
+
+def test_a_patch_where_the_layer_reads_hidden_again_writes_the_residual_alone():
+    hidden, residual = torch.randn(2, HIDDEN), torch.randn(2, HIDDEN)
+    kept, source = hidden.clone(), torch.randn(HIDDEN)
+    _run(hidden, residual, patch=_patch(2, {0: (source, 1.0)}), hidden_in_use=True)
+    assert torch.equal(hidden, kept)
+    torch.testing.assert_close(hidden[0] + residual[0], source, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(("pair", "hidden_in_use"), [(False, False), (True, False), (True, True)])
+def test_the_full_width_write_a_cuda_graph_captures_equals_the_planned_rows_write(pair, hidden_in_use):
+    hidden, residual = torch.randn(6, HIDDEN), torch.randn(6, HIDDEN) if pair else None
+    index, values, alphas, planned = _patch(6, {4: (torch.randn(HIDDEN), 1.0), 1: (torch.randn(HIDDEN), 0.3)})
+    copies = [(hidden.clone(), None if residual is None else residual.clone()) for _ in range(2)]
+    _write_all(*copies[0], index[1], values, alphas, hidden_in_use)
+    _write_rows(*copies[1], *planned[(LAYER, 1)], hidden_in_use)
+    for a, b in zip(copies[0], copies[1], strict=True):
+        assert a is None or torch.equal(a, b)
+
+
+def test_patch_then_steer_then_read():
+    hidden = torch.randn(2, HIDDEN)
+    source = torch.randn(HIDDEN)
+    table = torch.zeros(3, 2, HIDDEN)
+    table[1, 1] = 1.0
+    out = _run(hidden, None, rows=torch.tensor([0]), index=torch.tensor([1, 0]), table=table,
+               patch=_patch(2, {0: (source, 1.0)}))
+    assert torch.equal(out[0], source + 1.0)
 
 
 def test_reads_the_sum_of_the_deferred_pair_at_planned_rows_only():
@@ -71,10 +145,14 @@ def test_the_op_survives_torch_compile_and_sees_each_steps_plan():
             super().__init__()
             self.register_buffer("index", torch.zeros(6, dtype=torch.long), persistent=False)
             self.register_buffer("table", torch.zeros(3, 2, HIDDEN), persistent=False)
+            *buffers, self.planned = _patch(6, {2: (torch.ones(HIDDEN), 1.0)}, hook=0)
+            for name, tensor in zip(("patch_index", "patch_values", "patch_alpha"), buffers, strict=True):
+                self.register_buffer(name, tensor, persistent=False)
 
         def forward(self, x):
             x = x * 1.0
-            site(x, None, self.index, self.table, LAYER, 0)
+            site(x, None, self.index, self.table, self.patch_index, self.patch_values, self.patch_alpha, LAYER, 0,
+                 False)
             return x * 2
 
     layer = Layer()
@@ -84,8 +162,11 @@ def test_the_op_survives_torch_compile_and_sees_each_steps_plan():
         layer.table[0, 1] = shift
         layer.index.fill_(1)
         reads = StepReads(torch.tensor([row]), frozenset({(LAYER, 0)}))
-        STEP.reads, STEP.steer = reads, True
+        layer.planned[(LAYER, 0)][1][0] = shift  # each step's plan, seen by the compiled graph
+        STEP.reads, STEP.steer, STEP.patch = reads, True, layer.planned
         y = compiled(x)
-        STEP.reads, STEP.steer = None, False
-        assert torch.equal(reads.out[(LAYER, 0)][0], x[row] + shift)
-        assert torch.equal(y, (x + shift) * 2)
+        STEP.reads, STEP.steer, STEP.patch = None, False, None
+        expected = x + shift
+        expected[2] = 2 * shift
+        assert torch.equal(reads.out[(LAYER, 0)][0], expected[row])
+        assert torch.equal(y, expected * 2)

@@ -1,1 +1,1 @@
-"""Capture: copying residual rows out of the forward (today: the offline read-out)."""
+"""Capture: copying residual rows out of the forward to consumers (files, logs, the caller, patch sources)."""

@@ -2,8 +2,9 @@
 
 A consumer is a class registered under the entry-point group ``vllm_interp.capture_consumers`` and enabled
 with ``--capture-consumers NAME[:key=val,...]``. Each worker that reports rows (tensor-parallel rank 0 of
-every pipeline stage) builds one instance, and runs it on its own thread: ``consume`` never runs on the
-forward path, so a slow consumer delays only its own results (unless the overload policy is ``block``).
+every pipeline stage, or every rank for a consumer with ``every_rank``) builds one instance, and runs it on
+its own thread: ``consume`` never runs on the forward path, so a slow consumer delays only its own results
+(unless the overload policy is ``block``).
 
 Lifecycle, all on the consumer's thread except ``validate_*``:
 
@@ -116,6 +117,9 @@ class CaptureConsumer:
     """Base class of capture consumers (see the module docstring for the lifecycle)."""
 
     name: ClassVar[str] = ""
+    # Tensor-parallel ranks hold identical rows, so one rank (0) consumes them; a consumer whose data every
+    # rank needs (patch sources, read back on each rank) runs on every rank instead.
+    every_rank: ClassVar[bool] = False
 
     def __init__(self, context: ConsumerContext) -> None:
         self.context = context

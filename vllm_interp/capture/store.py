@@ -93,9 +93,10 @@ class CaptureStore:
             return self._entries[req_id]
         args = interp_args(extra_args)
         specs = {**self.global_spec, **spec_from_wire(args.get("capture") or {})}
+        # Tensor-parallel ranks other than 0 run only the consumers that every rank needs (patch sources).
+        specs = {name: spec for name, spec in specs.items() if name in self.consumers}
         entry = None
-        # Ranks without consumers (tensor-parallel ranks other than 0) capture nothing.
-        if specs and self.consumers:
+        if specs:
             wanted = {site for spec in specs.values() for site in spec.sites(self.num_layers)}
             sites = sorted((layer, HOOK_INDEX[hook]) for layer, hook in wanted if layer in self._held)
             entry = _Entry(req_id, args.get("capture_key"), specs, prompt_len, sites)

@@ -37,7 +37,7 @@ def interp_engine_args(
     if not config.hooks_needed:
         return worker_cls, additional_config
     # Unknown consumers and bad options fail here, before an engine starts.
-    configure_consumers(config.capture_consumers)
+    configure_consumers(config.consumers)
     if worker_cls not in ("auto", CPU_WORKER, GPU_WORKER):
         raise ValueError(f"vllm-interp needs its own worker class; got worker_cls={worker_cls!r}")
     # The sites hook V1 GPUModelRunner._model_forward; vLLM would otherwise pick V2 for dense GPU models.

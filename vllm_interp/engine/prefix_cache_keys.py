@@ -1,28 +1,32 @@
-"""Monkeypatch: steering-aware prefix-cache block hashes.
+"""Monkeypatch: intervention-aware prefix-cache block hashes.
 
 Wraps ``vllm.v1.core.kv_cache_utils.generate_block_hash_extra_keys`` (vLLM 0.26), which the engine core's
 block hasher looks up as a module global for every full block of a request. Requests whose KV is computed
-under steering carry ``extra_args["vllm_interp"]["prefix_salt"]``; every block that ends after the first
-steered position gets the salt as an extra key, so the hash chain forks exactly there: a later request
-never reuses KV computed under another request's vectors, identical specs still share, and blocks before
-the first steered position stay shared. There is no extension point for this in vLLM 0.26, hence the patch.
+under steering or patching carry ``extra_args["vllm_interp"]["prefix_salt"]`` (built by
+``vllm_interp.frontend.prefix_salt``): a digest of the interventions and the first position whose KV they
+change. Every block that ends after that position gets the digest as an extra key, so the hash chain forks
+exactly there: a later request never reuses KV computed under another request's interventions, identical
+specs still share, and blocks before the first changed position stay shared with everyone. There is no
+extension point for this in vLLM 0.26, hence the patch.
 """
 
 from typing import Any
 
 from vllm_interp.request_args import interp_args
 
-SALT_TAG = "vllm_interp.steering"
+SALT_TAG = "vllm_interp.interventions"
 _installed = False
 
 
-def _steering_salt(request: Any, end_token_idx: int) -> tuple[str, str] | None:
+def _salt(request: Any, end_token_idx: int) -> tuple[str, str] | None:
     params = getattr(request, "sampling_params", None)
     salt = interp_args(params.extra_args if params is not None else None).get("prefix_salt")
     if not salt:
         return None
-    first_steered = request.num_prompt_tokens if salt["from_prompt_end"] else 0
-    return (SALT_TAG, salt["digest"]) if end_token_idx > first_steered else None
+    starts = [request.num_prompt_tokens] if salt["from_prompt_end"] else []
+    if salt["from_position"] is not None:
+        starts.append(salt["from_position"])
+    return (SALT_TAG, salt["digest"]) if end_token_idx > min(starts) else None
 
 
 def install() -> None:
@@ -35,7 +39,7 @@ def install() -> None:
 
     def generate_block_hash_extra_keys(request, start_token_idx, end_token_idx, start_mm_idx):
         extra_keys, next_mm_idx = original(request, start_token_idx, end_token_idx, start_mm_idx)
-        salt = _steering_salt(request, end_token_idx)
+        salt = _salt(request, end_token_idx)
         if salt is not None:
             extra_keys = (*(extra_keys or ()), salt)
         return extra_keys, next_mm_idx

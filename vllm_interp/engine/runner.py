@@ -4,8 +4,8 @@ Installed by the worker as a class swap on vLLM's V1 ``GPUModelRunner`` (which `
 subclasses); mixins cannot rely on ``__init__``, so the worker attaches the capture store and the steering
 tables after the swap. Overridden ``GPUModelRunner`` methods (vLLM 0.26), in the order a step calls them:
 
-- ``_update_states``: new requests (their capture specs decoded once) and the scheduler's finished
-  requests, whose captures are handed to consumers;
+- ``_update_states``: new requests (their capture and patch specs decoded once, patch sources resolved)
+  and the scheduler's finished requests, whose captures are handed to consumers;
 - ``_prepare_inputs``: lays out the batch (``query_start_loc``, ``num_computed_tokens``); the step is
   planned right after it;
 - ``_determine_batch_execution_and_padding``: a step that captures rows runs without CUDA graphs (captured
@@ -18,13 +18,15 @@ from functools import cache
 
 from vllm_interp.capture.store import CaptureStore
 from vllm_interp.engine.row_plan import ReadPlan, batch_slices, plan_reads
-from vllm_interp.models.site_ops import STEP, StepReads
+from vllm_interp.models.site_ops import STEP, StepPatches, StepReads
+from vllm_interp.patching.tables import PatchTables
 from vllm_interp.steering.tables import SteeringTables
 
 
 @dataclass(frozen=True)
 class _StepPlan:
     steer: bool
+    patch: StepPatches | None
     reads: ReadPlan
     site_reads: StepReads | None  # what the site op reads (None: this step reads nothing)
 
@@ -32,23 +34,28 @@ class _StepPlan:
 class InterpRunnerMixin:
     interp_store: CaptureStore
     interp_steering: SteeringTables | None
+    interp_patching: PatchTables | None
     _interp_step: _StepPlan | None = None
 
     def _update_states(self, scheduler_output, *args, **kwargs):
         result = super()._update_states(scheduler_output, *args, **kwargs)
-        store = self.interp_store
+        store, patching = self.interp_store, self.interp_patching
         # Each request's capture spec is decoded once, when it arrives, so that a step can tell at a
-        # glance whether anything in the batch captures.
+        # glance whether anything in the batch captures; its patch sources are resolved then too.
         for new in scheduler_output.scheduled_new_reqs:
             state = self.requests.get(new.req_id)
             if state is not None and state.sampling_params is not None:
                 store.lookup(new.req_id, state.sampling_params.extra_args, state.num_prompt_tokens)
+                if patching is not None:
+                    patching.lookup(new.req_id, state.sampling_params.extra_args, state.num_prompt_tokens)
         store.finish(scheduler_output.finished_req_ids)
+        if patching is not None:
+            patching.finish(scheduler_output.finished_req_ids)
         return result
 
     def _prepare_inputs(self, *args, **kwargs):
         result = super()._prepare_inputs(*args, **kwargs)
-        if self.interp_steering is None and not self.interp_store.capturing:
+        if self.interp_steering is None and self.interp_patching is None and not self.interp_store.capturing:
             return result  # nothing to plan: the step runs as on an engine without vllm-interp
         num_reqs = self.input_batch.num_reqs
         req_ids = self.input_batch.req_ids[:num_reqs]
@@ -57,8 +64,9 @@ class InterpRunnerMixin:
         )
         states = [self.requests[req_id] for req_id in req_ids]
         steer = self._plan_steering(slices, states, set(req_ids))
+        patch = None if self.interp_patching is None else self.interp_patching.plan(slices)
         reads = self._plan_reads(slices, states)
-        self._interp_step = _StepPlan(steer, reads, self.interp_store.site_reads(reads, self.device))
+        self._interp_step = _StepPlan(steer, patch, reads, self.interp_store.site_reads(reads, self.device))
         return result
 
     def _determine_batch_execution_and_padding(self, *args, **kwargs):
@@ -71,11 +79,11 @@ class InterpRunnerMixin:
         step, self._interp_step = self._interp_step, None
         if step is None:
             return super()._model_forward(*args, **kwargs)
-        STEP.steer, STEP.reads = step.steer, step.site_reads
+        STEP.steer, STEP.patch, STEP.reads = step.steer, step.patch, step.site_reads
         try:
             output = super()._model_forward(*args, **kwargs)
         finally:
-            STEP.reads, STEP.steer = None, False
+            STEP.reads, STEP.steer, STEP.patch = None, False, None
         if step.site_reads is not None:
             self.interp_store.collect(step.reads, step.site_reads)
         return output

@@ -21,6 +21,8 @@ from vllm_interp.compat import check_vllm_version
 from vllm_interp.config import InterpConfig
 from vllm_interp.engine.runner import with_interp_runner
 from vllm_interp.models.registry import install_sites
+from vllm_interp.patching.sources import SOURCES
+from vllm_interp.patching.tables import PATCH_RESULT, PatchTables
 from vllm_interp.steering.tables import SteeringTables, table_rows
 from vllm_interp.steering.vectors import SteeringVectors
 
@@ -45,23 +47,30 @@ class InterpWorkerMixin:
             device=runner.device,
             max_tokens=runner.max_num_tokens,
             steer_rows=steer_rows,
+            patch_slots=config.max_patch_rows + 1 if config.enable_patching else 1,
         )
         runner.__class__ = with_interp_runner(type(runner))
         runner.interp_store = self._capture_store(config, bank)
         runner.interp_steering = SteeringTables(bank, config.max_steering_configs) if config.enable_steering else None
+        runner.interp_patching = None
+        if config.enable_patching:
+            SOURCES.budget_bytes = config.patch_source_bytes
+            runner.interp_patching = PatchTables(bank, SOURCES)
 
     def _capture_store(self, config: InterpConfig, bank) -> CaptureStore:
         model_config = self.vllm_config.model_config
         num_layers = model_config.get_total_num_hidden_layers()
-        setups = configure_consumers(config.capture_consumers)
+        setups = configure_consumers(config.consumers)
         global_spec = {}
         if config.capture_global:
             global_spec = validate_capture_spec(json.loads(config.capture_global), num_layers=num_layers,
                                                 consumers={n: s.cls for n, s in setups.items()}, field="capture_global")
-        # Tensor-parallel ranks hold identical residual rows: rank 0 alone runs consumers.
+        # Tensor-parallel ranks hold identical residual rows: rank 0 alone runs consumers, except those every
+        # rank needs.
         runners = {}
-        if get_tensor_model_parallel_rank() == 0:
-            for name, setup in setups.items():
+        first_rank = get_tensor_model_parallel_rank() == 0
+        for name, setup in setups.items():
+            if first_rank or setup.cls.every_rank:
                 context = ConsumerContext(
                     name=name, options=setup.options, model=str(model_config.served_model_name),
                     num_layers=num_layers, hidden_size=model_config.get_hidden_size(),
@@ -82,8 +91,21 @@ class InterpWorkerMixin:
         tables.set_global(SteeringVectors.from_wire(wire))
 
     def interp_capture_results(self, lengths: dict[str, int], wait_s: float) -> dict[str, Any]:
-        """Per capture key, each consumer's result (see CaptureStore.results)."""
-        return self.model_runner.interp_store.results(lengths, wait_s)
+        """Per request key, each consumer's result (see CaptureStore.results) and, for a patched request,
+        its patch status (under ``"patch"``)."""
+        runner = self.model_runner
+        done = runner.interp_store.results(lengths, wait_s)
+        if runner.interp_patching is not None:
+            for key, status in runner.interp_patching.statuses(list(done)).items():
+                done[key][PATCH_RESULT] = status
+        return done
+
+    def interp_patch_sources(self) -> dict[str, dict[str, Any]]:
+        """The source runs this worker holds, by run id."""
+        return SOURCES.describe()
+
+    def interp_delete_patch_source(self, run_id: str) -> bool:
+        return SOURCES.delete(run_id)
 
     def shutdown(self) -> None:
         # Consumers finish what is queued (files published, shards flushed) before the process exits.

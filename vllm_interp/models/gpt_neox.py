@@ -13,7 +13,8 @@ def gpt_neox_layer_forward(self, position_ids, hidden_states):
     visit(self, hidden_states, None, PRE_ATTN)
     attn_output = self.attention(position_ids=position_ids, hidden_states=self.input_layernorm(hidden_states))
     if self.use_parallel_residual:
-        visit(self, hidden_states, attn_output, POST_ATTN)  # steering adds to the attention output
+        # Steering adds to the attention output; a patch leaves the layer input alone (the MLP reads it).
+        visit(self, hidden_states, attn_output, POST_ATTN, hidden_in_use=True)
         mlp_output = self.mlp(self.post_attention_layernorm(hidden_states))
         hidden_states = mlp_output + attn_output + hidden_states
     else:

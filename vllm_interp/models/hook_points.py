@@ -2,9 +2,9 @@
 
 Hooks are installed by swapping ``module.__class__`` for a subclass (not by wrapping modules), so
 parameter names, weight loading and vLLM's CustomOp dispatch are unchanged. Every hooked module holds its
-layer's index and the steering buffers as non-persistent buffers (see ``LayerBuffers``): the step's
-steering index (shared by all layers) and the layer's steering table (shared by the layer and its
-post_attn module).
+layer's index and the site op's buffers as non-persistent buffers (see ``LayerBuffers``): the step's
+steering index and the patch value table (shared by all layers), and the layer's steering table and patch
+index (shared by the layer and its post_attn module).
 """
 
 from collections.abc import Callable
@@ -27,16 +27,22 @@ class LayerBuffers:
     layer: int  # the decoder layer's index in the whole model (not within a pipeline stage)
     steer_index: torch.Tensor  # [max_tokens] steering-table row per token (shared)
     steer_table: torch.Tensor  # [hooks, rows, hidden] this layer's steering vectors
+    patch_index: torch.Tensor  # [hooks, max_tokens] this layer's patch slot per token (0: not patched)
+    patch_values: torch.Tensor  # [slots, hidden] the step's patch sources (shared)
+    patch_alpha: torch.Tensor  # [slots] their interpolation weights (shared)
 
     def attach(self, module: nn.Module) -> None:
         module.interp_layer = self.layer
-        module.register_buffer("interp_steer_index", self.steer_index, persistent=False)
-        module.register_buffer("interp_steer_table", self.steer_table, persistent=False)
+        for name in ("steer_index", "steer_table", "patch_index", "patch_values", "patch_alpha"):
+            module.register_buffer(f"interp_{name}", getattr(self, name), persistent=False)
 
 
-def visit(module: nn.Module, hidden: torch.Tensor, residual: torch.Tensor | None, hook: int) -> None:
-    """Run the site op on the stream at ``hook`` of the layer ``module`` belongs to."""
-    site(hidden, residual, module.interp_steer_index, module.interp_steer_table, module.interp_layer, hook)
+def visit(module: nn.Module, hidden: torch.Tensor, residual: torch.Tensor | None, hook: int,
+          hidden_in_use: bool = False) -> None:
+    """Run the site op on the stream at ``hook`` of the layer ``module`` belongs to (``hidden_in_use``: the
+    layer reads ``hidden`` again after this site, so a patch must leave it as it is)."""
+    site(hidden, residual, module.interp_steer_index, module.interp_steer_table, module.interp_patch_index,
+         module.interp_patch_values, module.interp_patch_alpha, module.interp_layer, hook, hidden_in_use)
 
 
 def swap_class(module: nn.Module, make: Callable[[type], type]) -> None:

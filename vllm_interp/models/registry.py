@@ -121,6 +121,11 @@ class SiteBank:
     layers: list[int]  # decoder layers this rank holds
     steer_index: torch.Tensor  # [max_tokens] steering-table row of each token
     steer_tables: dict[int, torch.Tensor]  # layer -> [len(HOOKS), steer_rows, hidden]
+    # [len(layers), len(HOOKS), max_tokens] patch slot of each token per held layer (in ``layers`` order);
+    # each layer's sites see their own slice.
+    patch_index: torch.Tensor
+    patch_values: torch.Tensor  # [patch_slots, hidden] slot 0 unused
+    patch_alpha: torch.Tensor  # [patch_slots]
 
     def descriptor(self) -> dict[str, object]:
         return {"layers": self.layers, "hooks": list(HOOKS)}
@@ -134,10 +139,12 @@ def install_sites(
     device: torch.device,
     max_tokens: int,
     steer_rows: int,
+    patch_slots: int,
 ) -> SiteBank:
     """Install the three sites on every decoder layer this rank holds; returns their buffers.
 
-    ``steer_rows`` is the height of each layer's steering table (1: steering off, only the zero row).
+    ``steer_rows`` is the height of each layer's steering table (1: steering off, only the zero row);
+    ``patch_slots`` that of the patch value table (1: patching off).
     """
     from vllm.model_executor.models.utils import PPMissingLayer
 
@@ -146,19 +153,28 @@ def install_sites(
     if sites is None:
         raise UnsupportedArchitecture(unsupported_message(architecture))
     layers = attrgetter(sites.layers)(model)
-    bank = SiteBank(layers=[], steer_index=torch.zeros(max_tokens, dtype=torch.long, device=device),
-                    steer_tables={})
-    for index, layer in enumerate(layers):
-        if isinstance(layer, PPMissingLayer):  # held by another pipeline stage
-            continue
+    held = [index for index, layer in enumerate(layers) if not isinstance(layer, PPMissingLayer)]
+    if not held:
+        raise UnsupportedArchitecture(f"{architecture}: found no decoder layers at {sites.layers!r}")
+    # Patching off: one-token index rows suffice (the op never reads them).
+    index_width = max_tokens if patch_slots > 1 else 1
+    bank = SiteBank(
+        layers=held,
+        steer_index=torch.zeros(max_tokens, dtype=torch.long, device=device),
+        steer_tables={},
+        patch_index=torch.zeros(len(held), len(HOOKS), index_width, dtype=torch.long, device=device),
+        patch_values=torch.zeros(patch_slots, hidden_size, dtype=dtype, device=device),
+        patch_alpha=torch.zeros(patch_slots, dtype=dtype, device=device),
+    )
+    for position, index in enumerate(held):
         buffers = hook_points.LayerBuffers(
             layer=index,
             steer_index=bank.steer_index,
             steer_table=torch.zeros(len(HOOKS), steer_rows, hidden_size, dtype=dtype, device=device),
+            patch_index=bank.patch_index[position],
+            patch_values=bank.patch_values,
+            patch_alpha=bank.patch_alpha,
         )
-        sites.install(layer, buffers)
-        bank.layers.append(index)
+        sites.install(layers[index], buffers)
         bank.steer_tables[index] = buffers.steer_table
-    if not bank.layers:
-        raise UnsupportedArchitecture(f"{architecture}: found no decoder layers at {sites.layers!r}")
     return bank

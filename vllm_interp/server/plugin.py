@@ -11,8 +11,9 @@ from fastapi import FastAPI
 from starlette.datastructures import State
 
 from vllm_interp.capture.plugins import consumer_class
-from vllm_interp.config import InterpConfig
-from vllm_interp.server import steering_routes
+from vllm_interp.config import DEFAULT_MAX_SWEEP_CELLS, InterpConfig
+from vllm_interp.frontend import InterpFrontend
+from vllm_interp.server import patch_routes, steering_routes
 from vllm_interp.server.auth import configured_keys
 from vllm_interp.server.request_fields import RequestFieldsMiddleware
 from vllm_interp.steering.files import load_named_file, parse_named_file
@@ -28,6 +29,8 @@ class InterpEndpoints:
 
     def attach_router(self, app: FastAPI) -> None:
         app.include_router(steering_routes.router)
+        app.include_router(patch_routes.router)
+        app.include_router(patch_routes.sweep_router)
         app.add_middleware(RequestFieldsMiddleware)
 
     async def init_state(self, engine_client, state: State, args: Namespace) -> None:
@@ -41,5 +44,8 @@ class InterpEndpoints:
             steering.register(name, load_named_file(path))
         state.vllm_interp_steering = steering
         state.vllm_interp_num_layers = shape.num_layers
-        state.vllm_interp_consumers = {name: consumer_class(name) for name in config.consumer_names}
+        state.vllm_interp_frontend = InterpFrontend(
+            steering, {n: consumer_class(n) for n in config.consumer_names}, patching=config.enable_patching,
+            max_patch_rows=config.max_patch_rows)
         state.vllm_interp_api_keys = configured_keys(getattr(args, "steering_api_key", None))
+        state.vllm_interp_max_sweep_cells = getattr(args, "max_sweep_cells", DEFAULT_MAX_SWEEP_CELLS)

@@ -40,6 +40,7 @@ class InterpRequestFields(BaseModel):
     decode_steering_vectors: dict[str, Any] | None = None
     steering_name: str | None = None
     capture: dict[str, Any] | None = None
+    patch: list[Any] | None = None
 
 
 STEERING_FIELDS = ("steering_vectors", "prefill_steering_vectors", "decode_steering_vectors", "steering_name")
@@ -47,5 +48,5 @@ STEERING_FIELDS = ("steering_vectors", "prefill_steering_vectors", "decode_steer
 
 def error_body(message: str, param: str | None = None, code: int = 400) -> dict[str, Any]:
     """The OpenAI error shape vLLM itself answers with."""
-    return {"error": {"message": message, "type": "BadRequestError" if code == 400 else "Unauthorized",
-                      "param": param, "code": code}}
+    kinds = {400: "BadRequestError", 401: "Unauthorized", 404: "NotFoundError", 409: "ConflictError"}
+    return {"error": {"message": message, "type": kinds.get(code, "Error"), "param": param, "code": code}}

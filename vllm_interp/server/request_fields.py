@@ -2,34 +2,43 @@
 
 vLLM ignores unknown top-level fields, so the fields are taken out of the JSON body here, validated (a bad
 spec is answered with 400 naming the field, before vLLM sees the request), and replaced by the normalised
-payload in ``vllm_xargs["vllm_interp"]`` (a JSON string: ``vllm_xargs`` admits no nested objects), which
-vLLM copies into ``SamplingParams.extra_args``. Requests are stamped even without fields of their own while
-global steering is set, so that their prefix-cache keys cover the global vectors.
+payload (``vllm_interp.frontend``) in ``vllm_xargs["vllm_interp"]`` (a JSON string: ``vllm_xargs`` admits
+no nested objects), which vLLM copies into ``SamplingParams.extra_args``. Requests are stamped even without
+fields of their own while global steering is set, so that their prefix-cache keys cover the global vectors.
 
-A non-streaming request with ``capture`` gets a capture key; once vLLM's response is complete, the
-consumers' results for that key are fetched from the workers and added to the JSON body as
-``capture_results``. Streaming responses carry no results (the consumers still receive the rows).
+A non-streaming request with ``capture`` or ``patch`` gets a key; once vLLM's response is complete, the
+results for that key are fetched from the workers: the consumers' go into the JSON body as
+``capture_results``; a patch that could not be applied as specified turns the response into a 409 error
+(the completion is not a patched result). Streaming responses carry no results (the consumers still
+receive the rows), so ``patch`` needs ``stream: false``.
 """
 
-import asyncio
 import json
-import time
 from typing import Any
-from uuid import uuid4
 
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from vllm_interp.capture.results import ResultCollector, result_to_json
-from vllm_interp.capture.spec import CaptureSpecError, spec_to_wire, validate_capture_spec
+from vllm_interp.capture.results import result_to_json
+from vllm_interp.capture.spec import CaptureSpecError, validate_capture_spec
+from vllm_interp.frontend import (
+    RESULTS_RPC,
+    SOURCES_RPC,
+    InterpFrontend,
+    PreparedRequest,
+    collect_results_async,
+    combined_generations,
+)
+from vllm_interp.patching.spec import FIELD as PATCH_FIELD
+from vllm_interp.patching.spec import PatchError, PatchSpec
+from vllm_interp.patching.tables import PATCH_RESULT
 from vllm_interp.request_args import EXTRA_ARGS_KEY
 from vllm_interp.server.protocol import STEERING_FIELDS, InterpRequestFields, error_body
 from vllm_interp.steering.vectors import SteeringError
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 FIELDS = tuple(InterpRequestFields.model_fields)
-RESULTS_TIMEOUT_S = 600.0
 
 
 def field_error_response(exc: ValueError) -> JSONResponse:
@@ -51,27 +60,27 @@ class RequestFieldsMiddleware:
             await self.app(scope, receive, send)
             return
         body = await _read_body(receive)
-        rewritten = self._rewrite(scope, body)
+        rewritten = await self._rewrite(scope, body)
         if isinstance(rewritten, JSONResponse):
             await rewritten(scope, receive, send)
             return
-        body, capture = rewritten
+        body, prepared = rewritten
         app_scope, app_receive = _with_length(scope, len(body)), _replay(body, receive)
-        if capture is None:
+        if prepared is None or prepared.key is None:
             await self.app(app_scope, app_receive, send)
             return
         response = _BufferedResponse()
         await self.app(app_scope, app_receive, response.send)
-        await response.replay(send, await self._results_for(scope, response, *capture))
+        await response.replay(send, *await self._results_for(scope, response, prepared))
 
-    def _rewrite(self, scope: Scope, body: bytes) -> tuple[bytes, tuple[str, list[str]] | None] | JSONResponse:
+    async def _rewrite(self, scope: Scope, body: bytes) -> tuple[bytes, PreparedRequest | None] | JSONResponse:
         state = scope["app"].state
-        steering = getattr(state, "vllm_interp_steering", None)
+        frontend: InterpFrontend | None = getattr(state, "vllm_interp_frontend", None)
         try:
             data = json.loads(body)
         except ValueError:
             return body, None  # not JSON: vLLM answers with its own error
-        if not isinstance(data, dict) or steering is None:
+        if not isinstance(data, dict) or frontend is None:
             return body, None
         xargs = data.get("vllm_xargs")
         if isinstance(xargs, dict) and EXTRA_ARGS_KEY in xargs:
@@ -80,60 +89,83 @@ class RequestFieldsMiddleware:
         fields = {name: data.pop(name) for name in FIELDS if name in data}
         try:
             InterpRequestFields.model_validate(fields)
-            payload = steering.request_payload({k: v for k, v in fields.items() if k in STEERING_FIELDS})
-            capture = self._capture_payload(state, data, fields.get("capture"), payload)
-        except (SteeringError, CaptureSpecError) as exc:
+            capture = self._capture_spec(state, data, fields.get("capture"))
+            patch = await self._patch_spec(state, scope["path"], data, fields.get(PATCH_FIELD))
+            steering_fields = {k: v for k, v in fields.items() if k in STEERING_FIELDS}
+            prepared = frontend.prepare(steering_fields, capture, patch, collect=not data.get("stream"))
+        except (SteeringError, CaptureSpecError, PatchError) as exc:
             return field_error_response(exc)
         except ValidationError as exc:  # a field of the wrong JSON type
             first = exc.errors()[0]
             return _bad_request(".".join(map(str, first["loc"])), first["msg"])
-        if payload:
+        if prepared.payload:
             xargs: dict[str, Any] = data.get("vllm_xargs") or {}
-            xargs[EXTRA_ARGS_KEY] = json.dumps(payload)
+            xargs[EXTRA_ARGS_KEY] = json.dumps(prepared.payload)
             data["vllm_xargs"] = xargs
-        if not fields and not payload:
+        if not fields and not prepared.payload:
             return body, None
-        return json.dumps(data).encode(), capture
+        return json.dumps(data).encode(), prepared
 
     @staticmethod
-    def _capture_payload(state: Any, data: dict[str, Any], raw: Any,
-                         payload: dict[str, Any]) -> tuple[str, list[str]] | None:
-        """Validate ``capture`` into ``payload``; the (key, consumers) whose results the response carries."""
+    def _capture_spec(state: Any, data: dict[str, Any], raw: Any):
         if raw is None:
             return None
-        consumers = getattr(state, "vllm_interp_consumers", {})
-        spec = validate_capture_spec(raw, num_layers=state.vllm_interp_num_layers, consumers=consumers)
+        spec = validate_capture_spec(raw, num_layers=state.vllm_interp_num_layers,
+                                     consumers=state.vllm_interp_frontend.consumers)
         if data.get("n", 1) != 1:
             raise CaptureSpecError("capture: n > 1 is not supported with capture; send the prompt n times")
-        payload["capture"] = spec_to_wire(spec)
-        if data.get("stream"):
-            return None
-        key = uuid4().hex
-        payload["capture_key"] = key
-        return key, list(spec)
+        return spec
 
-    async def _results_for(self, scope: Scope, response: "_BufferedResponse", key: str,
-                           consumers: list[str]) -> dict[str, Any] | None:
-        """The consumers' results for a finished request; None when vLLM answered with an error."""
+    @staticmethod
+    async def _patch_spec(state: Any, path: str, data: dict[str, Any], raw: Any) -> PatchSpec | None:
+        if raw is None:
+            return None
+        if data.get("stream"):
+            raise PatchError(f"{PATCH_FIELD}: a streamed response cannot report a patch that failed; "
+                             "use stream: false (or /v1/patch_sweep with stream: true)")
+        if data.get("n", 1) != 1:
+            raise PatchError(f"{PATCH_FIELD}: n > 1 is not supported with patch; send the prompt n times")
+        if path == "/v1/chat/completions" and _has_media(data.get("messages")):
+            raise PatchError(f"{PATCH_FIELD}: patching is text-only; the messages carry non-text content")
+        frontend: InterpFrontend = state.vllm_interp_frontend
+        generations = {}
+        if frontend.patching and raw:
+            generations = combined_generations(await state.engine_client.collective_rpc(SOURCES_RPC))
+        return frontend.validate_patch(raw, generations.get)
+
+    async def _results_for(self, scope: Scope, response: "_BufferedResponse",
+                           prepared: PreparedRequest) -> tuple[dict[str, Any] | None, int | None]:
+        """The body with the request's results, and a status replacing vLLM's (a failed patch); (None, None)
+        when vLLM answered with an error."""
         body = response.json()
         if response.status != 200 or body is None:
-            return None
+            return None, None
         usage = body.get("usage") or {}
         length = int(usage.get("prompt_tokens", 0)) + int(usage.get("completion_tokens", 0))
         state = scope["app"].state
-        collector = ResultCollector({key: length}, {key: consumers})
-        deadline = time.monotonic() + RESULTS_TIMEOUT_S
-        while collector.pending and time.monotonic() < deadline:
-            per_rank = await state.engine_client.collective_rpc("interp_capture_results", args=(collector.pending, 0.0))
-            collector.add(per_rank)
-            if collector.pending:
-                await asyncio.sleep(0.05)
-        consumers = state.vllm_interp_consumers
-        merged = collector.merged(consumers)
-        body["capture_results"] = {
-            name: result_to_json(result, consumers[name].result_to_json) for name, result in merged[key].items()
-        }
-        return body
+        frontend: InterpFrontend = state.vllm_interp_frontend
+        collector = frontend.collector({prepared.key: length}, {prepared.key: prepared})
+        await collect_results_async(
+            collector, lambda pending, wait_s: state.engine_client.collective_rpc(RESULTS_RPC, args=(pending, wait_s)))
+        results = frontend.merged(collector)[prepared.key]
+        patch = results.pop(PATCH_RESULT, None)
+        if patch is not None and patch.status != "ok":
+            return error_body(f"{PATCH_FIELD}: {patch.message}", param=PATCH_FIELD, code=409), 409
+        if results:
+            body["capture_results"] = {
+                name: result_to_json(result, frontend.consumers[name].result_to_json)
+                for name, result in results.items()
+            }
+        return body, None
+
+
+def _has_media(messages: Any) -> bool:
+    """Whether chat messages carry content parts other than text (images, audio, ...)."""
+    for message in messages or []:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") != "text" for p in content):
+            return True
+    return False
 
 
 class _BufferedResponse:
@@ -160,10 +192,10 @@ class _BufferedResponse:
             return None
         return data if isinstance(data, dict) else None
 
-    async def replay(self, send: Send, body: dict[str, Any] | None) -> None:
+    async def replay(self, send: Send, body: dict[str, Any] | None, status: int | None = None) -> None:
         content = b"".join(self.chunks) if body is None else json.dumps(body).encode()
         headers = [(k, v) for k, v in (self.start or {}).get("headers", []) if k.lower() != b"content-length"]
-        await send({"type": "http.response.start", "status": self.status,
+        await send({"type": "http.response.start", "status": status or self.status,
                     "headers": [*headers, (b"content-length", str(len(content)).encode())]})
         await send({"type": "http.response.body", "body": content, "more_body": False})
 

@@ -8,7 +8,10 @@ import argparse
 import os
 
 from vllm_interp.config import (
+    DEFAULT_MAX_PATCH_ROWS,
     DEFAULT_MAX_STEERING_CONFIGS,
+    DEFAULT_MAX_SWEEP_CELLS,
+    DEFAULT_PATCH_SOURCE_BYTES,
     OVERLOAD_POLICIES,
     InterpConfig,
 )
@@ -45,7 +48,15 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                        help="Register named steering vectors at start-up (.safetensors or .json; repeatable).")
     group.add_argument("--steering-api-key", action="append", default=[], metavar="KEY",
                        help=f"Key required by mutating /v1/steering endpoints (repeatable; or ${API_KEY_ENV}).")
-    group.add_argument("--enable-patching", action="store_true", help="Install activation patching sites.")
+    group.add_argument("--enable-patching", action="store_true",
+                       help="Activation patching (the patch field on completions, /v1/patch_sources, the patch_source "
+                       "capture consumer).")
+    group.add_argument("--max-patch-rows", type=int, default=DEFAULT_MAX_PATCH_ROWS,
+                       help="Patched rows one engine step holds (a request with more patches is refused).")
+    group.add_argument("--max-sweep-cells", type=int, default=DEFAULT_MAX_SWEEP_CELLS,
+                       help="Cells one /v1/patch_sweep request may ask for (hooks x layers x positions).")
+    group.add_argument("--patch-source-bytes", type=int, default=DEFAULT_PATCH_SOURCE_BYTES,
+                       help="Worker memory for patch source runs; least recently used runs are evicted beyond it.")
     group.add_argument(
         "--capture-consumers",
         action="append",
@@ -70,6 +81,8 @@ def serve(command, args: argparse.Namespace) -> None:
         enable_steering=args.enable_steering,
         max_steering_configs=args.max_steering_configs,
         enable_patching=args.enable_patching,
+        max_patch_rows=args.max_patch_rows,
+        patch_source_bytes=args.patch_source_bytes,
         capture_consumers=tuple(args.capture_consumers),
         capture_global=args.capture_global,
         capture_overload_policy=args.capture_overload_policy,

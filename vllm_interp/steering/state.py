@@ -1,5 +1,5 @@
-"""Frontend side of steering: the global tiers, the named vectors, and turning a request's fields into the
-normalised payload the engine core (prefix-cache keys) and the workers (tables) read.
+"""Frontend side of steering: the global tiers, the named vectors, and a request's fields validated into its
+own vectors (``vllm_interp.frontend`` puts them in the payload the engine core and the workers read).
 
 One instance lives in the process that admits requests (the offline ``LLM`` or the API server). A global
 change is validated here (``plan_set``/``plan_clear``), pushed to every worker by the caller with
@@ -82,20 +82,6 @@ class SteeringState:
                 raise SteeringError(f"{NAME_FIELD}: unknown name {name!r} (registered: {known})")
             vectors = vectors + self.named[name]
         return vectors
-
-    def request_payload(self, fields: Mapping[str, Any]) -> dict[str, Any]:
-        """The ``extra_args["vllm_interp"]`` entries for a request: its vectors for the workers, and the
-        prefix-cache salt covering every vector its KV will be computed under (global included)."""
-        own = self.request_vectors(fields)
-        payload: dict[str, Any] = {}
-        if not own.is_empty:
-            payload["steering"] = {"vectors": own.to_wire(), "digest": own.digest()}
-        effective = self.global_vectors + own
-        if not effective.is_empty:
-            # Base and prefill vectors change the KV of every prompt position; decode vectors only that
-            # of generated tokens, so blocks wholly inside the prompt stay shared.
-            payload["prefix_salt"] = {"digest": effective.digest(), "from_prompt_end": not effective.affects_prefill}
-        return payload
 
     def describe(self) -> dict[str, Any]:
         return {GLOBAL_FIELDS[tier]: self.global_vectors.to_json().get(tier, {}) for tier in TIERS}

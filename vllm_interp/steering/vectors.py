@@ -157,7 +157,7 @@ def _float_list(raw: Any) -> np.ndarray | None:
     return array if array.ndim == 1 else None
 
 
-def _entry_vector(raw: Any, where: str) -> np.ndarray:
+def entry_vector(raw: Any, where: str) -> np.ndarray:
     if (array := _float_list(raw)) is not None:
         return array
     if isinstance(raw, dict) and set(raw) <= {"vector", "scale"}:
@@ -198,7 +198,7 @@ def validate_steering_tier(raw: Any, *, where: str, shape: ModelShape) -> dict[s
             for layer, entry in per_hook.items():
                 if not (isinstance(layer, int) or (isinstance(layer, str) and layer.lstrip("-").isdigit())):
                     raise SteeringError(f"{hook_where}.{layer}: layer must be an integer")
-                vectors[int(layer)] = _entry_vector(entry, f"{hook_where}.{layer}")
+                vectors[int(layer)] = entry_vector(entry, f"{hook_where}.{layer}")
         else:
             raise SteeringError(f"{hook_where}: expected a layer -> vector object or the packed form")
         for layer, vector in vectors.items():

@@ -1,0 +1,130 @@
+"""The one path from a request's vllm-interp fields to its engine payload, and from the workers' answers
+back to its results, shared by every front door (offline ``LLM``, the HTTP middleware, patch sweeps).
+
+``InterpFrontend.prepare`` turns validated steering fields, a capture spec and a patch spec into the
+``extra_args["vllm_interp"]`` payload: the request's own vectors, its capture spec, its patch spec, the
+prefix-cache salt (which positions' KV depend on the request's interventions) and, when the caller will
+collect results, a key. ``collect_results`` is the polling loop around ``ResultCollector``; front doors
+pass their own RPC (blocking or async).
+"""
+
+import asyncio
+import hashlib
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+from uuid import uuid4
+
+from vllm_interp.capture.consumer import CaptureConsumer
+from vllm_interp.capture.results import ConsumerResult, ResultCollector
+from vllm_interp.capture.spec import CaptureSpec, spec_to_wire
+from vllm_interp.patching.spec import PatchSpec, validate_patch
+from vllm_interp.patching.tables import PATCH_RESULT
+from vllm_interp.steering.state import SteeringState
+from vllm_interp.steering.vectors import SteeringVectors
+
+RESULTS_TIMEOUT_S = 600.0
+SOURCES_RPC = "interp_patch_sources"
+RESULTS_RPC = "interp_capture_results"
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    payload: dict[str, Any]  # extra_args["vllm_interp"]
+    key: str | None  # set when results will be collected
+    expects: tuple[str, ...]  # the results the caller collects: capture consumers, then "patch"
+
+
+def prefix_salt(effective: SteeringVectors, patch: PatchSpec | None) -> dict[str, Any] | None:
+    """Where the request's KV starts to differ from an unintervened run, and a digest of why.
+
+    Base and prefill vectors change every position's KV, decode vectors only generated ones
+    (``from_prompt_end``), a patch everything from its lowest patched position on."""
+    parts, start, from_prompt_end = [], None, False
+    if not effective.is_empty:
+        parts.append(f"steering:{effective.digest()}")
+        if effective.affects_prefill:
+            start = 0
+        else:
+            from_prompt_end = True
+    if patch is not None:
+        parts.append(f"patch:{patch.digest()}")
+        start = patch.first_position if start is None else min(start, patch.first_position)
+    if not parts:
+        return None
+    digest = hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
+    return {"digest": digest, "from_position": start, "from_prompt_end": from_prompt_end}
+
+
+def combined_generations(per_rank: list[Mapping[str, Mapping[str, Any]]]) -> dict[str, str]:
+    """run id -> generation over all ranks (pipeline stages hold their own layers of a run; tensor-parallel
+    ranks identical copies): the distinct per-rank generations joined in rank order."""
+    runs: dict[str, list[str]] = {}
+    for rank in per_rank:
+        for run_id, info in rank.items():
+            seen = runs.setdefault(run_id, [])
+            if info["generation"] not in seen:
+                seen.append(info["generation"])
+    return {run_id: "|".join(gens) for run_id, gens in runs.items()}
+
+
+class InterpFrontend:
+    def __init__(self, steering: SteeringState, consumers: Mapping[str, type[CaptureConsumer]], *,
+                 patching: bool, max_patch_rows: int) -> None:
+        self.steering = steering
+        self.consumers = dict(consumers)
+        self.patching = patching
+        self.max_patch_rows = max_patch_rows
+        # Merging a request's results needs each name's class; a patch status has no payload to merge.
+        self.result_classes = {**self.consumers, PATCH_RESULT: CaptureConsumer}
+
+    def validate_patch(self, raw: Any, run_generation: Callable[[str], str | None]) -> PatchSpec | None:
+        return validate_patch(raw, shape=self.steering.shape, enabled=self.patching,
+                              max_patches=self.max_patch_rows, run_generation=run_generation)
+
+    def prepare(self, steering_fields: Mapping[str, Any], capture: CaptureSpec | None, patch: PatchSpec | None,
+                *, collect: bool) -> PreparedRequest:
+        own = self.steering.request_vectors(steering_fields)
+        payload: dict[str, Any] = {}
+        if not own.is_empty:
+            payload["steering"] = {"vectors": own.to_wire(), "digest": own.digest()}
+        salt = prefix_salt(self.steering.global_vectors + own, patch)
+        if salt is not None:
+            payload["prefix_salt"] = salt
+        expects: tuple[str, ...] = ()
+        if capture:
+            payload["capture"] = spec_to_wire(capture)
+            expects += tuple(capture)
+        if patch is not None:
+            payload["patch"] = patch.to_wire()
+            expects += (PATCH_RESULT,)
+        key = None
+        if collect and expects:
+            key = payload["capture_key"] = uuid4().hex
+        return PreparedRequest(payload, key, expects if key else ())
+
+    def collector(self, lengths: dict[str, int], requests: Mapping[str, PreparedRequest]) -> ResultCollector:
+        return ResultCollector(lengths, {key: list(prepared.expects) for key, prepared in requests.items()})
+
+    def merged(self, collector: ResultCollector) -> dict[str, dict[str, ConsumerResult]]:
+        return collector.merged(self.result_classes)
+
+
+def collect_results(collector: ResultCollector, rpc: Callable[[dict[str, int], float], list],
+                    timeout_s: float = RESULTS_TIMEOUT_S) -> None:
+    """Poll the workers (``rpc(pending, wait_s)``) until every key is answered or the time is up."""
+    deadline = time.monotonic() + timeout_s
+    while collector.pending and time.monotonic() < deadline:
+        collector.add(rpc(collector.pending, 0.2))
+
+
+async def collect_results_async(collector: ResultCollector,
+                                rpc: Callable[[dict[str, int], float], Awaitable[list]],
+                                timeout_s: float = RESULTS_TIMEOUT_S) -> None:
+    """``collect_results`` for an event loop: asks without waiting in the workers, sleeps between asks."""
+    deadline = time.monotonic() + timeout_s
+    while collector.pending and time.monotonic() < deadline:
+        collector.add(await rpc(collector.pending, 0.0))
+        if collector.pending:
+            await asyncio.sleep(0.05)
