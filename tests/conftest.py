@@ -213,3 +213,17 @@ def server(smollm2_path, server_dirs):
         yield url, process
     finally:
         stop_server(process)
+
+
+@pytest.fixture(scope="session")
+def open_server(smollm2_path, tmp_path_factory):
+    """A second server: steering and patching on, no --steering-api-key and the key variable unset (whatever
+    the caller's shell has), two sequences at a time (so most of a sweep's cells wait in the scheduler)."""
+    env = {name: value for name, value in os.environ.items() if name != API_KEY_ENV}
+    log = tmp_path_factory.mktemp("open-server") / "server.log"
+    url, process = launch_server([*SERVER_ARGS, "--enable-steering", "--enable-patching", "--max-num-seqs", "2"],
+                                 log, env)
+    try:
+        yield url
+    finally:
+        stop_server(process)

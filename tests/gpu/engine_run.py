@@ -4,7 +4,8 @@
 
 Each mode is one ``vllm_interp.LLM`` on the same random fp32 Llama: ``eager`` (one GPU, the reference),
 ``graphs`` (one GPU, torch.compile + CUDA graphs), ``tp2`` and ``pp2`` (two GPUs). It runs the same
-workloads in every mode and saves plain data (tensors, lists, strings), so the tests can compare modes.
+workloads in every mode (parity read-outs, capture to consumers, a patch grid; steering on one GPU) and saves
+plain data (tensors, lists, strings), so the tests can compare modes.
 One engine per process, in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by the caller): that is how
 these checks first ran on the device (an engine core in its own process once hung at start there), and a
 fresh process leaves no CUDA or distributed state from one engine to the next.
@@ -19,7 +20,7 @@ import transformers
 from vllm import SamplingParams
 
 from tests.parity import engine_sequences_and_readouts
-from vllm_interp import LLM, steered_params
+from vllm_interp import LLM, patched_params, steered_params
 from vllm_interp.hooks import HOOKS
 
 HIDDEN, LAYERS = 256, 4
@@ -27,6 +28,8 @@ HIDDEN, LAYERS = 256, 4
 PROMPT_LENGTHS = (5, 19, 7, 30)
 GREEDY = dict(temperature=0.0, max_tokens=6, ignore_eos=True)
 FILE_SITES = {"post_block": [1, 2]}
+# The token ids a patch grid is graded by (the answer's and the foil's logprob at the first generated token).
+PATCH_GRADED = (17, 42)
 MODES = {
     "eager": dict(enforce_eager=True),
     "graphs": dict(enforce_eager=False),
@@ -110,17 +113,35 @@ def steer(llm) -> dict[str, list[float]]:
     return result
 
 
+def patch(llm) -> dict:
+    """Every (hook, layer, position) cell of a corrupt prompt patched from a clean run captured in the same
+    mode, graded by the answer and foil logprobs at the first generated position."""
+    clean, corrupt = prompts(3)[2], prompts(3)[2].copy()
+    corrupt[2], corrupt[4] = (corrupt[2] + 7) % 500, (corrupt[4] + 11) % 500
+    grade = SamplingParams(temperature=0.0, max_tokens=1, logprob_token_ids=list(PATCH_GRADED))
+    llm.generate([{"prompt_token_ids": clean}], grade, use_tqdm=False,
+                 capture={"patch_source": {"hooks": "all", "positions": "all_prompt", "tag": "clean"}})
+    cells = [(hook, layer, p) for hook in HOOKS for layer in range(LAYERS) for p in range(len(corrupt))]
+    params = [patched_params(grade, patch=[{"layer": layer, "hook": hook, "position": p,
+                                             "source": {"run": "clean", "position": p}}]) for hook, layer, p in cells]
+    outputs = llm.generate([{"prompt_token_ids": corrupt}] * len(cells), params, use_tqdm=False)
+    return {"clean": clean, "corrupt": corrupt, "cells": cells,
+            "statuses": [o.patch.status for o in outputs],
+            "logprobs": [[o.outputs[0].logprobs[0][t].logprob for t in PATCH_GRADED] for o in outputs]}
+
+
 def run(mode: str, model: Path, capture_root: Path) -> dict:
     start = time.perf_counter()
     llm = LLM(str(model), dtype="float32", attention_backend="TRITON_ATTN", skip_tokenizer_init=True,
               max_model_len=512, max_num_batched_tokens=16, max_num_seqs=8, gpu_memory_utilization=0.3, seed=0,
               capture_consumers=("inline", f"filesystem:root={capture_root}"),
-              enable_steering=mode in STEERED_MODES, **MODES[mode])
+              enable_steering=mode in STEERED_MODES, enable_patching=True, **MODES[mode])
     result = {"mode": mode, "engine_init_s": time.perf_counter() - start,
               "cudagraph_mode": str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode)}
     sequences, readouts = engine_sequences_and_readouts(llm, prompts(1), max_tokens=GREEDY["max_tokens"])
     result["parity"] = {"sequences": sequences, "readouts": _readout_data(readouts)}
     result["capture"] = capture_to_consumers(llm)
+    result["patching"] = patch(llm)
     if mode in STEERED_MODES:
         result["steering"] = steer(llm)
     llm.shutdown()

@@ -5,13 +5,11 @@ The session server takes one key from --steering-api-key and two from VLLM_INTER
 401 that changes nothing. A server with steering on and no key configured is open.
 """
 
-import os
 
 import pytest
 import requests
 
-from tests.conftest import API_KEY, ENV_API_KEYS, SERVER_ARGS, launch_server, stop_server, vector
-from vllm_interp.server.auth import API_KEY_ENV
+from tests.conftest import API_KEY, ENV_API_KEYS, vector
 
 # Every mutating endpoint with a body it accepts, in an order that leaves the server as it found it.
 CALLS = [
@@ -57,18 +55,6 @@ def test_mutating_endpoints_take_only_a_configured_key(server, source, form):
     finally:
         _post(url, "clear", None, HEADER_FORMS["bearer"](API_KEY))
         _post(url, "vectors/unregister", {"name": "keyed"}, HEADER_FORMS["bearer"](API_KEY))
-
-
-@pytest.fixture(scope="module")
-def open_server(smollm2_path, tmp_path_factory):
-    """Steering on, no --steering-api-key and the key variable unset (whatever the caller's shell has)."""
-    env = {name: value for name, value in os.environ.items() if name != API_KEY_ENV}
-    log = tmp_path_factory.mktemp("open-server") / "server.log"
-    url, process = launch_server([*SERVER_ARGS, "--enable-steering"], log, env)
-    try:
-        yield url
-    finally:
-        stop_server(process)
 
 
 def test_without_a_configured_key_the_endpoints_are_open(open_server):

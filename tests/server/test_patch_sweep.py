@@ -7,8 +7,6 @@ import json
 import pytest
 import requests
 
-from tests.conftest import SERVER_ARGS, launch_server, stop_server
-
 CLEAN, CORRUPT = "The capital of France is", "The capital of Italy is"
 
 
@@ -94,17 +92,8 @@ def test_bad_sweeps_get_400_naming_the_field(server, body, param):
     assert reply.json()["error"]["param"] == param
 
 
-@pytest.fixture(scope="module")
-def narrow_server(tmp_path_factory):
-    """Two sequences at a time: most of a sweep's cells wait in the scheduler, admitted but not yet resolved."""
-    log = tmp_path_factory.mktemp("narrow") / "server.log"
-    url, process = launch_server([*SERVER_ARGS, "--enable-patching", "--max-num-seqs", "2"], log)
-    yield url
-    stop_server(process)
-
-
-def test_a_source_deleted_during_a_sweep_fails_the_cells_left_never_patches_them_wrongly(narrow_server):
-    url = narrow_server
+def test_a_source_deleted_during_a_sweep_fails_the_cells_left_never_patches_them_wrongly(open_server):
+    url = open_server
     capture = {"patch_source": {"hooks": {"post_block": "all"}, "positions": "all_prompt", "tag": "doomed"}}
     assert requests.post(f"{url}/v1/completions", json={"prompt": CLEAN, "max_tokens": 1, "capture": capture},
                          timeout=60).ok
