@@ -48,7 +48,10 @@ class LLM(vllm.LLM):
     consumers (``"name:key=val,..."``; default: ``inline``, which returns rows to the caller); pass
     ``capture=`` to ``generate``/``chat`` and read ``output.capture`` (per consumer results) and, for the
     inline consumer, ``output.residuals``. ``readout=spec`` is short for ``capture={"inline": spec}`` that
-    raises unless every row came back. The other flags are the steering and patching subsystems; with any
+    raises unless every row came back. The other flags are the steering and patching subsystems: sampling
+    params built with ``steered_params`` are steered, those built with ``patched_params`` patched (read
+    ``output.patch``; a patch that could not be applied raises ``PatchFailed``), and ``enable_patching``
+    adds the ``patch_source`` consumer whose runs ``patch_sources``/``delete_patch_source`` manage. With any
     feature on, an architecture vllm-interp cannot hook is refused before the engine starts.
     """
 
