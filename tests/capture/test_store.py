@@ -18,7 +18,9 @@ LAYERS, HIDDEN = 2, 4
 
 def make_store() -> CaptureStore:
     bank = SiteBank(layers=[0, 1], steer_index=torch.zeros(8, dtype=torch.long),
-                    steer_tables={layer: torch.zeros(3, 1, HIDDEN) for layer in range(LAYERS)})
+                    steer_tables={layer: torch.zeros(3, 1, HIDDEN) for layer in range(LAYERS)},
+                    patch_index=torch.zeros(LAYERS, 3, 1, dtype=torch.long), patch_values=torch.zeros(1, HIDDEN),
+                    patch_alpha=torch.zeros(1))
     context = ConsumerContext("inline", {}, "m", num_layers=LAYERS, hidden_size=HIDDEN)
     runner = ConsumerRunner(InlineConsumer(context), policy="block", queue_bytes=1 << 20)
     return CaptureStore(bank, num_layers=LAYERS, model="m", consumers={"inline": runner}, global_spec={})

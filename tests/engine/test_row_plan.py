@@ -40,7 +40,9 @@ def test_steering_rows_follow_each_tokens_phase():
     from vllm_interp.steering.tables import FIRST_SLOT_ROW, GLOBAL_ROWS, SteeringTables
     from vllm_interp.steering.vectors import SteeringVectors
 
-    bank = SiteBank(layers=[0], steer_index=torch.zeros(32, dtype=torch.long), steer_tables={0: torch.zeros(3, 7, 4)})
+    bank = SiteBank(layers=[0], steer_index=torch.zeros(32, dtype=torch.long), steer_tables={0: torch.zeros(3, 7, 4)},
+                    patch_index=torch.zeros(1, 3, 1, dtype=torch.long), patch_values=torch.zeros(1, 4),
+                    patch_alpha=torch.zeros(1))
     tables = SteeringTables(bank, max_configs=2)
     vectors = SteeringVectors({"decode": {"0.post_block": np.ones(4, np.float32)}})
     slot = tables.lookup("b", {"vllm_interp": {"steering": {"vectors": vectors.to_wire(), "digest": "d"}}})
