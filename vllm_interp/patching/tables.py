@@ -82,7 +82,7 @@ class PatchTables:
                 error = f"position {entry.position} is not a prompt position (the prompt has {prompt_len} tokens)"
                 break
             if entry.vector is not None:
-                rows.append(torch.from_numpy(entry.vector))
+                rows.append(torch.tensor(entry.vector))  # a copy: the wire buffer is read-only
                 continue
             if entry.run not in runs:
                 runs[entry.run] = self.sources.acquire(entry.run, spec.run_generations[entry.run].split("|"), req_id)
