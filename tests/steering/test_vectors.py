@@ -7,6 +7,7 @@ from fastapi.testclient import TestClient
 from safetensors.numpy import save_file
 
 from vllm_interp import pack_vectors
+from vllm_interp.frontend import InterpFrontend
 from vllm_interp.server.request_fields import RequestFieldsMiddleware
 from vllm_interp.steering.files import load_named_file, parse_named_file
 from vllm_interp.steering.state import SteeringState
@@ -83,11 +84,15 @@ def test_http_fields_on_an_engine_without_steering_get_400_naming_the_field():
         return body
 
     app.add_middleware(RequestFieldsMiddleware)
-    app.state.vllm_interp_steering = SteeringState(SHAPE, enabled=False)
+    app.state.vllm_interp_frontend = InterpFrontend(SteeringState(SHAPE, enabled=False), {}, patching=False,
+                                                    max_patch_rows=8)
     client = TestClient(app)
     response = client.post("/v1/completions", json={"prompt": "x", "steering_vectors": {"post_attn": {"1": [0.0] * 8}}})
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "steering_vectors"
+    patch = [{"layer": 1, "hook": "post_block", "position": 0, "source": {"zeros": True}}]
+    response = client.post("/v1/completions", json={"prompt": "x", "patch": patch})
+    assert response.status_code == 400 and response.json()["error"]["message"].startswith("patch: patching is not")
     # Requests without steering fields pass through untouched.
     assert client.post("/v1/completions", json={"prompt": "x"}).json() == {"prompt": "x"}
     # A client cannot hand the engine a payload that skipped validation.
