@@ -143,6 +143,9 @@ def test_a_patch_that_cannot_be_applied_fails_its_request(smollm2_llm, pairs):
     with pytest.raises(PatchFailed, match=f"position {beyond} is not a prompt position"):
         smollm2_llm.generate(corrupt, patched_params(greedy(), patch=[_cell(1, "pre_attn", beyond, {"zeros": True})]),
                              use_tqdm=False)
+    with pytest.raises(PatchFailed, match=f"holds no 1.pre_attn at position {beyond}"):
+        smollm2_llm.generate(corrupt, patched_params(greedy(), patch=[
+            _cell(1, "pre_attn", 0, {"run": pair["run"], "position": beyond})]), use_tqdm=False)
     sources = smollm2_llm.patch_sources()
     assert pair["run"] in sources and sources[pair["run"]]["positions"] == list(range(len(pair["clean"])))
     assert smollm2_llm.delete_patch_source(pair["run"])

@@ -23,7 +23,7 @@ from vllm_interp.engine.row_plan import BatchSlice
 from vllm_interp.hooks import HOOK_INDEX, site_name
 from vllm_interp.models.registry import SiteBank
 from vllm_interp.models.site_ops import StepPatches
-from vllm_interp.patching.sources import SourceStore
+from vllm_interp.patching.sources import SourceRun, SourceStore
 from vllm_interp.patching.spec import PatchSpec
 from vllm_interp.request_args import interp_args
 
@@ -86,11 +86,10 @@ class PatchTables:
                 continue
             if entry.run not in runs:
                 runs[entry.run] = self.sources.acquire(entry.run, spec.run_generations[entry.run].split("|"), req_id)
-            run = runs[entry.run]
-            row = None if run is None else run.row(site_name(entry.layer, entry.hook), entry.run_position)
+            run, site = runs[entry.run], site_name(entry.layer, entry.hook)
+            row = None if run is None else run.row(site, entry.run_position)
             if row is None:
-                error = (f"source run {entry.run!r} no longer holds {site_name(entry.layer, entry.hook)} at position "
-                         f"{entry.run_position} (deleted, evicted or re-captured since the request was admitted)")
+                error = _missing_row(entry.run, run, site, entry.run_position)
                 break
             rows.append(row.float())
         if error is None and len(mine) > self.slots:
@@ -178,6 +177,13 @@ class PatchTables:
             elif (req_id := self._by_key.pop(key, None)) is not None:
                 out[key] = _status(self._by_req[req_id]).model_dump()
         return out
+
+
+def _missing_row(run_id: str, run: SourceRun | None, site: str, position: int) -> str:
+    if run is None:
+        return (f"source run {run_id!r} no longer holds {site} at position {position} (deleted, evicted or "
+                "re-captured since the request was admitted)")
+    return f"source run {run_id!r} holds no {site} at position {position} (it captured positions {run.positions})"
 
 
 def _status(patched: _Patched) -> ConsumerResult:
