@@ -69,6 +69,16 @@ def combined_generations(per_rank: list[Mapping[str, Mapping[str, Any]]]) -> dic
     return {run_id: "|".join(gens) for run_id, gens in runs.items()}
 
 
+def merged_sources(per_rank: list[Mapping[str, Mapping[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """run id -> the first rank's description of the run, with the generation over all ranks."""
+    generations = combined_generations(per_rank)
+    runs: dict[str, dict[str, Any]] = {}
+    for rank in per_rank:
+        for run_id, info in rank.items():
+            runs.setdefault(run_id, {**info, "generation": generations[run_id]})
+    return runs
+
+
 class InterpFrontend:
     def __init__(self, steering: SteeringState, consumers: Mapping[str, type[CaptureConsumer]], *,
                  patching: bool, max_patch_rows: int) -> None:

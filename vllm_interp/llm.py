@@ -21,6 +21,7 @@ from vllm_interp.frontend import (
     PreparedRequest,
     collect_results,
     combined_generations,
+    merged_sources,
 )
 from vllm_interp.patching.params import raw_patch
 from vllm_interp.patching.spec import PatchError, PatchSpec
@@ -251,11 +252,7 @@ class LLM(vllm.LLM):
 
     def patch_sources(self) -> dict[str, dict[str, Any]]:
         """The stored patch source runs (``patch_source`` captures), by run id, as the workers hold them."""
-        merged: dict[str, dict[str, Any]] = {}
-        for rank in self.collective_rpc(SOURCES_RPC):
-            for run_id, info in rank.items():
-                merged.setdefault(run_id, info)
-        return merged
+        return merged_sources(self.collective_rpc(SOURCES_RPC))
 
     def delete_patch_source(self, run_id: str) -> bool:
         """Forget a source run on every worker; whether any held it."""

@@ -220,8 +220,6 @@ def plan_sweep(request: SweepRequest, *, tokenizer, num_layers: int, vocab: int,
             raise PatchError(f"{name}: token ids out of range for this model (vocabulary {vocab})")
     answer = _single_token(tokenizer, request.answer_token, request.answer_token_id, "answer_token", vocab)
     foil = _single_token(tokenizer, request.foil_token, request.foil_token_id, "foil_token", vocab)
-    if request.metric == "logit_diff" and foil is None:
-        raise PatchError("metric: logit_diff needs a foil (foil_token or foil_token_id)")
     if clean is not None:
         mapping, alignment = _align(clean, tokens)
     elif request.ablate:
@@ -325,7 +323,6 @@ class SweepRunner:
         finally:
             if own_run:
                 await self.delete_run(run_id)
-        self.timing["total_s"] = time.monotonic() - started
 
     def _source_capture(self, run_id: str) -> CaptureSpec:
         """The clean run keeps only what the cells patch from: the swept sites at every prompt position."""

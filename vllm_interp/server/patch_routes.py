@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 
-from vllm_interp.frontend import RESULTS_RPC, SOURCES_RPC, InterpFrontend, combined_generations
+from vllm_interp.frontend import RESULTS_RPC, SOURCES_RPC, InterpFrontend, combined_generations, merged_sources
 from vllm_interp.patching.spec import PatchError
 from vllm_interp.patching.sweep import SweepRunner, parse_sweep_request, plan_sweep
 from vllm_interp.server.auth import require_key
@@ -30,12 +30,7 @@ def _disabled() -> JSONResponse:
 async def list_sources(request: Request) -> Any:
     if not request.app.state.vllm_interp_frontend.patching:
         return _disabled()
-    per_rank = await request.app.state.engine_client.collective_rpc(SOURCES_RPC)
-    generations = combined_generations(per_rank)
-    runs = {}
-    for rank in per_rank:
-        for run_id, info in rank.items():
-            runs.setdefault(run_id, {**info, "generation": generations[run_id]})
+    runs = merged_sources(await request.app.state.engine_client.collective_rpc(SOURCES_RPC))
     return {"runs": [runs[run_id] for run_id in sorted(runs)]}
 
 
