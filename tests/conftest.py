@@ -5,18 +5,15 @@ import gc
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-import requests
 
+from benchmarks.serving import VLLM_INTERP, start_server, stop_server  # noqa: F401 (tests import them from here)
 from vllm_interp.default_model import prepare_default_model
 from vllm_interp.server.auth import API_KEY_ENV
 
@@ -82,15 +79,40 @@ def capture_root() -> Path:
     return CAPTURE_ROOT
 
 
+# A small sparse autoencoder in SAELens's format on blocks.6.hook_resid_post (fixed path, like CAPTURE_ROOT).
+SAE_DIR = Path(tempfile.gettempdir()) / "vllm-interp-tests" / "sae-res6"
+SAE_NAME, SAE_LAYER, SAE_FEATURES = "res6", 6, 64
+
+
 @pytest.fixture(scope="session")
-def smollm2_llm(smollm2_path, capture_root):
-    """The shared SmolLM2 engine: fp32, torch.compile on, chunked prefill forced small, steering, patching and
-    the built-in capture consumers enabled. Tests that set global steering clear it before they return."""
+def test_sae() -> Path:
+    """Writes the SAE: random decoder rows of norm 1, an encoder that fires on about a third of the features."""
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(6)
+    w_dec = rng.standard_normal((SAE_FEATURES, HIDDEN)).astype(np.float32)
+    w_dec /= np.linalg.norm(w_dec, axis=1, keepdims=True)
+    SAE_DIR.mkdir(parents=True, exist_ok=True)
+    save_file({"W_enc": np.ascontiguousarray(w_dec.T), "b_enc": np.full(SAE_FEATURES, -0.5, np.float32),
+               "W_dec": w_dec, "b_dec": (0.1 * rng.standard_normal(HIDDEN)).astype(np.float32)},
+              str(SAE_DIR / "sae_weights.safetensors"))
+    (SAE_DIR / "cfg.json").write_text(json.dumps({
+        "architecture": "standard", "d_in": HIDDEN, "d_sae": SAE_FEATURES, "dtype": "float32",
+        "apply_b_dec_to_input": True, "normalize_activations": "none",
+        "metadata": {"hook_name": f"blocks.{SAE_LAYER}.hook_resid_post", "model_name": "SmolLM2-135M-Instruct"}}))
+    return SAE_DIR
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm(smollm2_path, capture_root, test_sae):
+    """The shared SmolLM2 engine: fp32, torch.compile on, chunked prefill forced small, steering, patching,
+    the built-in capture consumers and the test SAE enabled. Tests that set global steering clear it before
+    they return."""
     from vllm_interp import LLM
 
-    consumers = ("inline", f"filesystem:root={capture_root}", "logging:max_positions=4")
+    consumers = ("inline", f"filesystem:root={capture_root}", "logging:max_positions=4", "sae_features")
     llm = LLM(str(smollm2_path), enable_steering=True, max_steering_configs=4, enable_patching=True,
-              capture_consumers=consumers, **ENGINE_KWARGS)
+              capture_consumers=consumers, saes={SAE_NAME: str(test_sae)}, **ENGINE_KWARGS)
     yield llm
     shutdown(llm)
 
@@ -118,15 +140,6 @@ def parity_table():
 
 
 # -- `vllm-interp serve`: default model, steering on, API keys (flag and env), a named vector loaded at start-up --
-VLLM_INTERP = str(Path(sys.executable).with_name("vllm-interp"))
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 API_KEY = "test-steering-key"
 # The session server also takes keys from the environment (two, comma-separated), beside the flag's.
 ENV_API_KEYS = ("test-env-key-one", "test-env-key-two")
@@ -161,31 +174,10 @@ def server_dirs(tmp_path_factory) -> dict[str, Path]:
 def launch_server(args: list[str], log: Path, env: dict[str, str] | None = None) -> tuple[str, subprocess.Popen]:
     """Start `vllm-interp serve ARGS` in its own process group (so that a test can kill every process of the
     server at once) and wait until it answers /health. Output goes to ``log``."""
-    port = _free_port()
-    with open(log, "w") as out:
-        process = subprocess.Popen([VLLM_INTERP, "serve", "--port", str(port), *args], stdout=out,
-                                   stderr=subprocess.STDOUT, env=env or os.environ, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"server exited with {process.returncode}:\n{log.read_text()[-4000:]}")
-        try:
-            if requests.get(f"{url}/health", timeout=2).ok:
-                return url, process
-        except requests.ConnectionError:
-            pass
-        time.sleep(2)
-    stop_server(process)
-    pytest.fail("server did not become healthy in 600 s")
-
-
-def stop_server(process: subprocess.Popen) -> None:
-    process.terminate()
     try:
-        process.wait(60)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+        return start_server(args, log, env, timeout_s=600)
+    except RuntimeError as exc:
+        pytest.fail(f"{exc}:\n{log.read_text()[-4000:]}")
 
 
 # Small settings shared by every test server; --enforce-eager: the compiled path is covered by the offline
@@ -195,7 +187,7 @@ SERVER_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "512"
 
 
 @pytest.fixture(scope="session")
-def server(smollm2_path, server_dirs):
+def server(smollm2_path, server_dirs, test_sae):
     server_dirs["vectors"].write_text(json.dumps({"vectors": {"post_block": {"6": vector(42)}}}))
     args = [
         *SERVER_ARGS, "--enable-steering", "--enable-patching",
@@ -204,6 +196,7 @@ def server(smollm2_path, server_dirs):
         "--capture-consumers", "inline", "--capture-consumers", f"filesystem:root={server_dirs['captures']}",
         "--capture-consumers", f"activation_stats:path={server_dirs['stats']}",
         "--capture-global", json.dumps(GLOBAL_CAPTURE),
+        "--sae", f"{SAE_NAME}={test_sae}", "--capture-consumers", "sae_features",
     ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(server_dirs["plugins"]),
                                                                      os.environ.get("PYTHONPATH")])),

@@ -50,3 +50,11 @@ def test_patch_study_example_writes_a_heatmap(server, tmp_path):
     assert grid.shape == (30, 10) and out["tokens"][1] == "ĠCol"
     # The clean answer comes back fully when the subject is restored early, and not from unrelated tokens.
     assert grid[0, 1:4].max() > 0.5 and abs(grid[0, 0]) < 0.05
+
+
+def test_sae_features_example(smollm2_llm):
+    from tests.conftest import SAE_LAYER, SAE_NAME
+
+    out = _load("sae_features").main(smollm2_llm, SAE_NAME)
+    assert out["site"] == f"{SAE_LAYER}.post_block" and all(len(ids) == 3 for ids in out["top"])
+    assert out["texts"]["unsteered"] != list(out["texts"].values())[1]

@@ -1,7 +1,8 @@
-"""The `vllm-interp` command: serve, trace, demo, models."""
+"""The `vllm-interp` command: serve, trace, demo, models, export-saelens."""
 
 import argparse
 import sys
+from typing import TextIO
 
 
 def _models(args: argparse.Namespace) -> None:
@@ -18,12 +19,24 @@ def _models(args: argparse.Namespace) -> None:
 def _demo(args: argparse.Namespace) -> None:
     from vllm_interp.demo import run_demo
 
-    run_demo(model=args.model, prompt=args.prompt, max_tokens=args.max_tokens)
+    run_demo(model=args.model, prompt=args.prompt, max_tokens=args.max_tokens, out=args.out)
+
+
+def _export_saelens(args: argparse.Namespace) -> None:
+    from vllm_interp.capture.saelens_export import SaelensExportError, export_saelens
+
+    try:
+        done = export_saelens(args.root, args.out, context_size=args.context_size, sites=args.sites, dtype=args.dtype)
+    except (SaelensExportError, FileExistsError, ImportError) as exc:
+        sys.exit(f"error: {exc}")
+    print(f"wrote {done.sequences} sequences of {done.context_size} x {done.d_in} ({', '.join(done.columns)}) from "
+          f"{done.captures} captures to {done.path}; {done.dropped} trailing rows did not fill a sequence")
 
 
 def build_parser() -> argparse.ArgumentParser:
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+    from vllm_interp.capture.saelens_export import DTYPES
     from vllm_interp.client.trace import add_trace_parser
     from vllm_interp.server.serve import add_serve_parser
 
@@ -38,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--model", default=None, help="Model path (default: SmolLM2-135M-Instruct).")
     demo.add_argument("--prompt", default="The capital of France is")
     demo.add_argument("--max-tokens", type=int, default=12)
+    demo.add_argument("--verbose", action="store_true",
+                      help="Show vLLM's own output here instead of in the demo's log file.")
     demo.set_defaults(dispatch_function=_demo)
 
     models = sub.add_parser("models", help="The default model and the supported architectures.")
@@ -46,10 +61,34 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("--force", action="store_true", help="Rebuild even if present.")
     models_sub.add_parser("supported", help="List the architectures vllm-interp can hook.")
     models.set_defaults(dispatch_function=_models)
+
+    export = sub.add_parser("export-saelens", help="Write filesystem captures as a SAELens cached-activation dataset.")
+    export.add_argument("--root", required=True, help="The filesystem consumer's root.")
+    export.add_argument("--out", required=True, help="The dataset directory to write (absent or empty).")
+    export.add_argument("--context-size", type=int, required=True, help="Rows per dataset row (SAELens context_size).")
+    export.add_argument("--sites", nargs="+", default=None,
+                        help="Sites to export, e.g. blocks.3.hook_resid_post or 3.post_block (default: all captured).")
+    export.add_argument("--dtype", choices=DTYPES, default="float32",
+                        help="Stored dtype (SAELens converts to its own on load).")
+    export.set_defaults(dispatch_function=_export_saelens)
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["demo"] and not {"--verbose", "-h", "--help"} & set(argv):
+        # Before vLLM is imported: its import-time logging belongs in the log too.
+        from vllm_interp.demo import default_log_path, engine_output_to
+
+        log = default_log_path()
+        print(f"vLLM's own output goes to {log} (--verbose shows it here)")
+        with engine_output_to(log) as terminal:
+            _run(argv, terminal)
+        return
+    _run(argv, sys.stdout)
+
+
+def _run(argv: list[str], out: TextIO) -> None:
     from vllm_interp.compat import UnsupportedVllmVersion, check_vllm_version
 
     try:
@@ -60,6 +99,7 @@ def main(argv: list[str] | None = None) -> None:
 
     cli_env_setup()
     args = build_parser().parse_args(argv)
+    args.out = out
     args.dispatch_function(args)
 
 

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from vllm_interp.hooks import HOOKS
+from vllm_interp.sae import parse_sae_flag
 
 ADDITIONAL_CONFIG_KEY = "vllm_interp"
 # Bumped whenever the installed hook sites (their placement or the ops they call) change, so that vLLM's
@@ -51,6 +52,8 @@ class InterpConfig:
     # A capture spec (JSON) applied to every request, besides the request's own.
     capture_global: str = ""
     capture_overload_policy: str = "block"
+    # `--sae NAME=DIR` flags: sparse autoencoders for feature steering and the sae_features consumer.
+    saes: tuple[str, ...] = ()
     package_version: str = ""
     site_scheme: str = SITE_SCHEME
 
@@ -63,6 +66,9 @@ class InterpConfig:
         for name, value in (("max_patch_rows", self.max_patch_rows), ("patch_source_bytes", self.patch_source_bytes)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        names = [parse_sae_flag(flag)[0] for flag in self.saes]
+        if duplicated := sorted({name for name in names if names.count(name) > 1}):
+            raise ValueError(f"--sae {duplicated[0]}: given twice")
         for spec in self.capture_consumers:
             if parse_consumer_spec(spec)[0] == PATCH_SOURCE_CONSUMER:
                 raise ValueError(f"{PATCH_SOURCE_CONSUMER} is enabled by --enable-patching, not --capture-consumers")
@@ -98,6 +104,7 @@ class InterpConfig:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["capture_consumers"] = list(self.capture_consumers)
+        data["saes"] = list(self.saes)
         return data
 
     def to_additional_config(self, existing: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -112,4 +119,5 @@ class InterpConfig:
             return None
         raw = {k: v for k, v in raw.items() if k != "hash"}
         raw["capture_consumers"] = tuple(raw.get("capture_consumers", ()))
+        raw["saes"] = tuple(raw.get("saes", ()))
         return cls(**raw)

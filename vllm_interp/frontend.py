@@ -17,12 +17,15 @@ from typing import Any
 from uuid import uuid4
 
 from vllm_interp.capture.consumer import CaptureConsumer
+from vllm_interp.capture.plugins import consumer_class
 from vllm_interp.capture.results import ConsumerResult, ResultCollector
 from vllm_interp.capture.spec import CaptureSpec, spec_to_wire
+from vllm_interp.config import InterpConfig
 from vllm_interp.patching.spec import PatchSpec, validate_patch
 from vllm_interp.patching.tables import PATCH_RESULT
+from vllm_interp.sae import activate_saes
 from vllm_interp.steering.state import SteeringState
-from vllm_interp.steering.vectors import SteeringVectors
+from vllm_interp.steering.vectors import ModelShape, SteeringVectors
 
 RESULTS_TIMEOUT_S = 600.0
 SOURCES_RPC = "interp_patch_sources"
@@ -80,6 +83,14 @@ def merged_sources(per_rank: list[Mapping[str, Mapping[str, Any]]]) -> dict[str,
 
 
 class InterpFrontend:
+    @classmethod
+    def for_engine(cls, config: InterpConfig, shape: ModelShape) -> "InterpFrontend":
+        """The frontend of an engine started with ``config`` on a model of ``shape``."""
+        saes = activate_saes(config.saes, num_layers=shape.num_layers, hidden_size=shape.hidden_size)
+        return cls(SteeringState(shape, enabled=config.enable_steering, saes=saes),
+                   {name: consumer_class(name) for name in config.consumer_names},
+                   patching=config.enable_patching, max_patch_rows=config.max_patch_rows)
+
     def __init__(self, steering: SteeringState, consumers: Mapping[str, type[CaptureConsumer]], *,
                  patching: bool, max_patch_rows: int) -> None:
         self.steering = steering

@@ -1,14 +1,13 @@
 """``vllm_interp.LLM``: vLLM's offline ``LLM`` plus the interpretability options."""
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import vllm
 from vllm import RequestOutput, SamplingParams
 
 from vllm_interp.capture.consumers.inline import ResidualReadout
-from vllm_interp.capture.plugins import consumer_class
 from vllm_interp.capture.spec import CaptureSpec, validate_capture_spec
 from vllm_interp.compat import check_vllm_version
 from vllm_interp.config import DEFAULT_MAX_PATCH_ROWS, DEFAULT_MAX_STEERING_CONFIGS, InterpConfig
@@ -27,8 +26,8 @@ from vllm_interp.patching.params import raw_patch
 from vllm_interp.patching.spec import PatchError, PatchSpec
 from vllm_interp.patching.tables import PATCH_RESULT
 from vllm_interp.request_args import EXTRA_ARGS_KEY
+from vllm_interp.steering.contrastive import ContrastiveVectors, contrastive_vectors, validate_contrastive
 from vllm_interp.steering.params import raw_steering_fields
-from vllm_interp.steering.state import SteeringState
 from vllm_interp.steering.vectors import ModelShape, SteeringVectors
 
 SpecArg = dict[str, Any] | Sequence[dict[str, Any] | None] | None
@@ -52,7 +51,9 @@ class LLM(vllm.LLM):
     raises unless every row came back. The other flags are the steering and patching subsystems: sampling
     params built with ``steered_params`` are steered, those built with ``patched_params`` patched (read
     ``output.patch``; a patch that could not be applied raises ``PatchFailed``), and ``enable_patching``
-    adds the ``patch_source`` consumer whose runs ``patch_sources``/``delete_patch_source`` manage. With any
+    adds the ``patch_source`` consumer whose runs ``patch_sources``/``delete_patch_source`` manage.
+    ``saes={"name": dir}`` loads sparse autoencoders (SAELens's format) for feature steering entries and the
+    ``sae_features`` consumer. With any
     feature on, an architecture vllm-interp cannot hook is refused before the engine starts.
     """
 
@@ -68,6 +69,7 @@ class LLM(vllm.LLM):
         enable_patching: bool = False,
         max_patch_rows: int = DEFAULT_MAX_PATCH_ROWS,
         patch_source_bytes: int | None = None,
+        saes: Mapping[str, str] | None = None,
         **kwargs: Any,
     ) -> None:
         check_vllm_version()
@@ -81,6 +83,7 @@ class LLM(vllm.LLM):
             capture_consumers=tuple(capture_consumers),
             capture_global=json.dumps(capture_global) if capture_global else "",
             capture_overload_policy=capture_overload_policy,
+            saes=tuple(f"{name}={directory}" for name, directory in (saes or {}).items()),
         )
         if self.interp_config.hooks_needed:
             check_model_architecture(
@@ -97,10 +100,9 @@ class LLM(vllm.LLM):
         model_config = self.llm_engine.model_config
         self.num_layers = model_config.get_total_num_hidden_layers()
         self.shape = ModelShape(self.num_layers, model_config.get_hidden_size())
-        self.steering = SteeringState(self.shape, enabled=enable_steering)
-        self._consumers = {name: consumer_class(name) for name in self.interp_config.consumer_names}
-        self.frontend = InterpFrontend(self.steering, self._consumers, patching=enable_patching,
-                                       max_patch_rows=max_patch_rows)
+        self.frontend = InterpFrontend.for_engine(self.interp_config, self.shape)
+        self.steering = self.frontend.steering
+        self._consumers = self.frontend.consumers
 
     def generate(self, prompts: Any, sampling_params: Any = None, *, capture: SpecArg = None,
                  readout: SpecArg = None, **kwargs: Any):
@@ -152,6 +154,24 @@ class LLM(vllm.LLM):
 
     def list_steering_vectors(self) -> list[str]:
         return sorted(self.steering.named)
+
+    def contrastive_vector(self, positive: Sequence[str], negative: Sequence[str], *, hook: str = "post_block",
+                           layers: Sequence[int] | str, positions: str = "last_prompt", normalize: bool = False,
+                           name: str | None = None) -> ContrastiveVectors:
+        """mean(positive) - mean(negative) of the residual stream at ``hook`` of ``layers`` (see
+        ``vllm_interp.steering.contrastive``), all prompts in one batch; registered under ``name`` if given.
+        ``result.steering_spec(scale)`` is a ready steering spec; ``result.to_json()`` the HTTP answer."""
+        request = validate_contrastive(
+            {"positive": list(positive), "negative": list(negative), "hook": hook,
+             "layers": layers if isinstance(layers, str) else list(layers), "positions": positions,
+             "normalize": normalize, "name": name}, shape=self.shape, consumers=list(self._consumers))
+        params = SamplingParams(temperature=0.0, max_tokens=1)
+        outputs = self.generate(request.prompts, params, readout=request.capture_spec(self.num_layers)["inline"],
+                                use_tqdm=False)
+        result = contrastive_vectors(request, [output.residuals for output in outputs], self.num_layers)
+        if name is not None:
+            self.register_steering_vectors(name, result.steering_spec())
+        return result
 
     def shutdown(self) -> None:
         """Stop the engine processes now (rather than at garbage collection)."""

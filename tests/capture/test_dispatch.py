@@ -3,6 +3,7 @@ stage merging and ``--capture-consumers`` parsing. No engine: captures are built
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
@@ -91,9 +92,9 @@ class GatedConsumer(CaptureConsumer):
 def make_runner(tmp_path: Path) -> Iterator[Any]:
     made: list[ConsumerRunner] = []
 
-    def make(policy: str = "block", queue_bytes: int = 1 << 20) -> tuple[ConsumerRunner, GatedConsumer]:
+    def make(policy: str = "block", queue_bytes: int = 1 << 20, **kwargs: Any) -> tuple[ConsumerRunner, GatedConsumer]:
         consumer = GatedConsumer(context())
-        runner = ConsumerRunner(consumer, policy=policy, queue_bytes=queue_bytes, spill_dir=str(tmp_path))
+        runner = ConsumerRunner(consumer, policy=policy, queue_bytes=queue_bytes, spill_dir=str(tmp_path), **kwargs)
         made.append(runner)
         return runner, consumer
 
@@ -227,6 +228,22 @@ def test_block_policy_waits_for_space(make_runner):
     assert [r.status for r in results] == ["ok", "ok"]
     assert [r.spilled for r in results] == [0, 0]
     assert [c.meta.request_id for c in consumer.seen] == ["req-1", "req-2"]
+
+
+def test_block_policy_gives_up_on_a_stalled_consumer(make_runner):
+    """A consumer that makes no room in the block timeout fails the waiting request only: the worker goes on."""
+    runner, consumer = make_runner("block", queue_bytes=one_capture_bytes(), block_timeout_s=0.2)
+    first, second = make_capture("req-1"), make_capture("req-2")
+    first_future = occupy(runner, consumer, first)
+    started = time.monotonic()
+    dropped = runner.submit(second, base_result(second)).result(WAIT_S)
+    assert 0.2 <= time.monotonic() - started < WAIT_S
+    assert dropped.status == "error" and dropped.dropped == len(POSITIONS) * len(SITES)
+    assert "made no room in 0.2 s (stalled?)" in dropped.message
+    consumer.gate.set()
+    assert first_future.result(WAIT_S).status == "ok"
+    third = make_capture("req-3")
+    assert runner.submit(third, base_result(third)).result(WAIT_S).status == "ok"
 
 
 def test_close_drains_the_queue_then_closes_the_consumer(make_runner):

@@ -1,5 +1,6 @@
-"""Capture over HTTP on `vllm-interp serve`: the openai client's extra_body, results in the response,
-a third-party consumer installed from examples/, a global spec, and 400s that name the field."""
+"""Capture over HTTP on `vllm-interp serve`: the openai client's extra_body, results in the response (in the
+last event of a streamed one), a third-party consumer installed from examples/, a global spec, and 400s that
+name the field."""
 
 import json
 import time
@@ -80,7 +81,7 @@ def test_global_capture_sees_requests_without_a_capture_field(server, server_dir
     assert line["positions"] == [completion.usage.prompt_tokens - 1] and line["mean_norm"]["3.post_block"] > 0
 
 
-def test_streaming_requests_capture_without_results_in_the_stream(server, server_dirs):
+def test_streamed_requests_reach_file_consumers(server, server_dirs):
     client, model = _client(server[0])
     stream = client.completions.create(
         model=model, prompt=PROMPT, max_tokens=3, temperature=0, stream=True,
@@ -99,6 +100,63 @@ def test_streaming_requests_capture_without_results_in_the_stream(server, server
     assert tensors["1.post_block"].shape == (1, 576)
 
 
+def _stream(url: str, path: str, body: dict) -> list[dict]:
+    """The chunks of a streamed request, after checking that the stream ends with [DONE]."""
+    with requests.post(f"{url}{path}", json={**body, "stream": True}, stream=True, timeout=300) as reply:
+        assert reply.status_code == 200, reply.text
+        events = reply.content.decode().split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""] and all(e.startswith("data: ") for e in events[:-2])
+    return [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+
+
+# Per path: the prompt, a streamed choice's text, a whole response's choice's text.
+STREAMED = {
+    "/v1/completions": ({"prompt": PROMPT}, lambda c: c["text"], lambda c: c["text"]),
+    "/v1/chat/completions": ({"messages": [{"role": "user", "content": "Say hi"}]},
+                             lambda c: c["delta"].get("content") or "", lambda c: c["message"]["content"]),
+}
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+@pytest.mark.parametrize("path", list(STREAMED))
+def test_streamed_responses_carry_results_in_their_last_event(server, path, include_usage):
+    url, _ = server
+    _, model = _client(url)
+    prompt, streamed_text, whole_text = STREAMED[path]
+    base = {"model": model, **prompt, "max_tokens": 4, "temperature": 0}
+    capture = {"capture": {"inline": {"hooks": {"pre_attn": [0], "post_block": [5]}, "positions": "all"}}}
+    options = {"stream_options": {"include_usage": True}} if include_usage else {}
+    whole = requests.post(f"{url}{path}", json={**base, **capture}, timeout=300).json()
+    chunks = _stream(url, path, {**base, **capture, **options})
+    *head, last = chunks
+
+    # The client gets the events plain vLLM sends it (no usage chunk unless it asked), the last one with results.
+    assert [_shape(c) for c in chunks] == [_shape(c) for c in _stream(url, path, {**base, **options})]
+    assert all("capture_results" not in c for c in head)
+    assert any("usage" in c for c in chunks) == include_usage
+    assert last.get("system_fingerprint") == whole.get("system_fingerprint")
+    if include_usage:
+        assert last["choices"] == [] and _counts(last["usage"]) == _counts(whole["usage"])
+    assert "".join(streamed_text(choice) for c in chunks for choice in c["choices"]) == whole_text(whole["choices"][0])
+
+    streamed, reference = (ResidualReadout.from_result(r["capture_results"]["inline"]["result"]) for r in (last, whole))
+    assert last["capture_results"]["inline"]["status"] == "ok"
+    length = whole["usage"]["prompt_tokens"] + whole["usage"]["completion_tokens"]
+    assert streamed.positions == reference.positions == list(range(length - 1))  # the last token is never fed back
+    assert streamed.sites == reference.sites == ["0.pre_attn", "5.post_block"]
+    for site in reference.sites:
+        torch.testing.assert_close(streamed[site], reference[site], rtol=0, atol=0)
+
+
+def _shape(chunk: dict) -> dict:
+    """A chunk without what differs between two runs (id, time) and the capture results."""
+    return {k: v for k, v in chunk.items() if k not in ("id", "created", "capture_results")}
+
+
+def _counts(usage: dict) -> tuple[int, int]:
+    return usage["prompt_tokens"], usage["completion_tokens"]
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
@@ -108,6 +166,12 @@ def test_streaming_requests_capture_without_results_in_the_stream(server, server
         ({"capture": {"filesystem": {"layout": "zip"}}}, "capture.filesystem.layout"),
         ({"capture": {"activation_stats": {"note": 3}}}, "capture.activation_stats.note"),
         ({"capture": {"inline": {}}, "n": 2}, "capture"),
+        ({"capture": {"inline": {}}, "prompt": [PROMPT, "Two prompts"]}, "capture"),
+        ({"capture": {"inline": {"hooks": {"hook_resid_post": [1], "post_block": [2]}}}},
+         "capture.inline.hooks.post_block"),
+        ({"capture": {"inline": {"hooks": ["blocks.1.hook_mlp_out"]}}}, "capture.inline.hooks.0"),
+        ({"capture": {"inline": {"naming": "tl"}}}, "capture.inline.naming"),
+        ({"capture": {"sae_features": {"hooks": {"post_block": [3]}}}}, "capture.sae_features.hooks"),
         ({"capture": "all"}, "capture"),
     ],
 )

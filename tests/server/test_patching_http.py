@@ -87,7 +87,17 @@ BAD = [
     ({"patch": [_cell(0, {"zeros": True}), _cell(0, {"zeros": True})]}, "patch.1"),
     ({"patch": [_cell(0, {"zeros": True})], "stream": True}, "patch"),
     ({"patch": [_cell(0, {"zeros": True})], "n": 2}, "patch"),
+    ({"patch": [{"site": "blocks.2.hook_resid_post", "layer": 2, "position": 0, "source": {"zeros": True}}]},
+     "patch.0.site"),
+    ({"patch": [{"site": "blocks.2.mlp_out", "position": 0, "source": {"zeros": True}}]}, "patch.0.site"),
 ]
+
+
+def test_a_patch_on_several_prompts_is_refused(server):
+    url, _ = server
+    reply = requests.post(f"{url}/v1/completions", json={"prompt": [PROMPT, PROMPT], "max_tokens": 1,
+                                                          "patch": [_cell(0, {"zeros": True})]}, timeout=60)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "patch", reply.text
 
 
 @pytest.mark.parametrize(("body", "param"), BAD, ids=[f"{p}-{i}" for i, (_, p) in enumerate(BAD)])

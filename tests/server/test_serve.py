@@ -20,14 +20,20 @@ def test_serve_answers_completions_on_the_default_model(server):
 def test_serve_help_lists_our_flags():
     out = subprocess.run([VLLM_INTERP, "serve", "--help=vllm-interp"], capture_output=True, text=True, check=True)
     for flag in ("--enable-steering", "--enable-patching", "--max-patch-rows", "--patch-source-bytes",
-                 "--max-sweep-cells", "--capture-consumers"):
+                 "--max-sweep-cells", "--capture-consumers", "--sae"):
         assert flag in out.stdout
     top = subprocess.run([VLLM_INTERP, "--help"], capture_output=True, text=True, check=True).stdout
-    for command in ("serve", "trace", "demo", "models"):
+    for command in ("serve", "trace", "demo", "models", "export-saelens"):
         assert command in top
     trace = subprocess.run([VLLM_INTERP, "trace", "--help"], capture_output=True, text=True, check=True).stdout
     for flag in ("--clean", "--corrupt", "--answer", "--foil", "--server", "--out"):
         assert flag in trace
+
+
+def test_a_bad_sae_flag_is_refused_before_start(tmp_path):
+    out = subprocess.run([VLLM_INTERP, "serve", "--enable-steering", "--sae", "nodir"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "--sae 'nodir': expected NAME=DIR" in out.stderr + out.stdout
 
 
 def test_unknown_capture_consumer_is_refused_before_start():

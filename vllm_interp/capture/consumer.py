@@ -11,7 +11,9 @@ Lifecycle, all on the consumer's thread except ``validate_*``:
 1. ``validate_engine_options(options)`` (classmethod): check the ``--capture-consumers`` options, before the
    engine starts.
 2. ``validate_options(options)`` (classmethod): check a request's consumer options (every field of its spec
-   besides hooks/positions/tag), in the frontend and again in the worker. Raise ``ValueError("field: why")``.
+   besides hooks/positions/tag/naming), in the frontend and again in the worker. Raise
+   ``ValueError("field: why")``. ``validate_hooks(hooks, options)`` (classmethod) may choose the sites when
+   the spec names none, or refuse sites the consumer cannot take.
 3. ``__init__(context)``: once per worker, with the engine options and the model's facts.
 4. ``consume(capture)``: once per finished request, with every captured row. Return a dict (or None) that
    the caller receives as the result (offline as is; over HTTP through ``result_to_json``); raise to fail
@@ -133,6 +135,12 @@ class CaptureConsumer:
     def validate_options(cls, options: dict[str, Any]) -> dict[str, Any]:
         """Check (and normalise) a request's consumer options; default: none accepted."""
         return _no_options(options)
+
+    @classmethod
+    def validate_hooks(cls, hooks: Any, options: dict[str, Any]) -> Any:
+        """The spec's ``hooks`` (None when the request gave none; then everything, ``"all"``), after the
+        consumer's say. Default: whatever the request gave."""
+        return "all" if hooks is None else hooks
 
     def consume(self, capture: RequestCapture) -> dict[str, Any] | None:
         raise NotImplementedError

@@ -3,7 +3,9 @@
 The queue is bounded in bytes (``queue_mb``). When a finished request's rows do not fit, the engine-wide
 ``--capture-overload-policy`` decides:
 
-- ``block``: the worker waits for the consumer (decoding stalls; nothing is lost);
+- ``block``: the worker waits for the consumer (decoding stalls; nothing is lost), at most
+  ``BLOCK_TIMEOUT_S``: a consumer that makes no room in that time is taken as stalled, and the request's rows
+  are dropped for it with an error saying so (the engine keeps serving; other consumers are not affected);
 - ``drop``: the request's rows are dropped for this consumer; its result is an ``error`` that counts them;
 - ``spill``: the rows wait in a safetensors file under ``spill_dir`` and are consumed, in order, later; the
   result counts them as ``spilled``.
@@ -27,6 +29,7 @@ from vllm_interp.capture.results import ConsumerResult
 logger = logging.getLogger(__name__)
 
 OverloadPolicy = Literal["block", "drop", "spill"]
+BLOCK_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -45,10 +48,11 @@ class ConsumerRunner:
     """Feeds one consumer instance from a queue on its own thread."""
 
     def __init__(self, consumer: CaptureConsumer, *, policy: OverloadPolicy, queue_bytes: int,
-                 spill_dir: str | None = None) -> None:
+                 spill_dir: str | None = None, block_timeout_s: float = BLOCK_TIMEOUT_S) -> None:
         self.consumer = consumer
         self.policy = policy
         self.queue_bytes = queue_bytes
+        self.block_timeout_s = block_timeout_s
         self._spill_dir = Path(spill_dir) if spill_dir else None
         self._jobs: deque[_Job | None] = deque()
         self._queued = 0
@@ -63,22 +67,25 @@ class ConsumerRunner:
         job = _Job(capture, result, Future())
         with self._cond:
             if self._queued and self._queued + capture.nbytes > self.queue_bytes:
-                if self.policy == "drop":
-                    rows = result.rows
-                    job.future.set_result(ConsumerResult.failed(
-                        f"dropped {rows} rows: the {self.consumer.context.name} consumer's queue is full "
-                        f"({self._queued >> 20} MiB queued, queue_mb={self.queue_bytes >> 20}; overload policy drop)",
-                        dropped=rows,
-                    ))
-                    return job.future
                 if self.policy == "spill":
                     self._spill(job)
-                else:
-                    self._cond.wait_for(lambda: not self._queued or self._queued + capture.nbytes <= self.queue_bytes)
+                elif self.policy == "drop" or not self._cond.wait_for(
+                        lambda: not self._queued or self._queued + capture.nbytes <= self.queue_bytes,
+                        timeout=self.block_timeout_s):
+                    job.future.set_result(self._dropped(result))
+                    return job.future
             self._queued += job.queued_bytes
             self._jobs.append(job)
             self._cond.notify_all()
         return job.future
+
+    def _dropped(self, result: ConsumerResult) -> ConsumerResult:
+        name, queued, limit = self.consumer.context.name, self._queued >> 20, self.queue_bytes >> 20
+        why = (f"overload policy {self.policy}" if self.policy == "drop" else
+               f"it made no room in {self.block_timeout_s:g} s (stalled?), overload policy block")
+        return ConsumerResult.failed(
+            f"dropped {result.rows} rows: the {name} consumer's queue is full ({queued} MiB queued, "
+            f"queue_mb={limit}); {why}", dropped=result.rows)
 
     def close(self) -> None:
         """Consume everything queued, then close the consumer."""

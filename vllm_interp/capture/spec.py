@@ -2,12 +2,15 @@
 
 Wire format (a request's ``capture`` field, and a global spec)::
 
-    {consumer_name: {"hooks": {hook: [layers] | "all"} | "all",
+    {consumer_name: {"hooks": {hook: [layers] | "all"} | [site names] | "all",
                      "positions": "last_prompt" | "all_prompt" | "all_generated" | "all" | [ints],
-                     "tag": str?, ...consumer options}}
+                     "tag": str?, "naming": "vllm_interp" | "transformer_lens", ...consumer options}}
+
+Hooks and sites may be spelled as TransformerLens does (``hook_resid_post``, ``blocks.12.hook_resid_post``);
+``naming`` picks how the consumer's tensors are named (``12.post_block`` or ``blocks.12.hook_resid_post``).
 
 ``validate_capture_spec`` is the one validation, used by the HTTP layer, the offline API and the worker.
-Options other than ``hooks``/``positions``/``tag`` belong to the consumer and are checked by its
+Options other than ``hooks``/``positions``/``tag``/``naming`` belong to the consumer and are checked by its
 ``validate_options``. Positions are absolute token indices (prompt then generated tokens); the last
 generated token is never fed through the model, so it has no residual.
 """
@@ -19,7 +22,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError, field_validator
 
-from vllm_interp.hooks import HOOKS, Hook, site_name
+from vllm_interp.hooks import HOOK_SPELLINGS, HOOKS, Hook, Naming, canonical_hook, parse_site_name, site_name
 
 PositionKeyword = Literal["all", "all_prompt", "last_prompt", "all_generated"]
 # A tag names files and directories: path segments of safe characters, never "." or "..".
@@ -39,6 +42,7 @@ class ConsumerSpec(BaseModel):
     hooks: dict[Hook, list[int] | Literal["all"]] | Literal["all"] = "all"
     positions: list[StrictInt] | PositionKeyword = "last_prompt"
     tag: str | None = None
+    naming: Naming = "vllm_interp"
 
     @field_validator("hooks")
     @classmethod
@@ -93,7 +97,8 @@ class ConsumerSpec(BaseModel):
         return sorted(chosen, key=lambda site: (site[0], HOOKS.index(site[1])))
 
     def site_names(self, num_layers: int) -> list[str]:
-        return [site_name(layer, hook) for layer, hook in self.sites(num_layers)]
+        """The tensors' names, in the spec's ``naming``."""
+        return [site_name(layer, hook, self.naming) for layer, hook in self.sites(num_layers)]
 
     def select(self, positions: np.ndarray, prompt_len: int) -> np.ndarray:
         """Boolean mask over ``positions``: which of them this spec captures."""
@@ -134,13 +139,41 @@ def _field_error(exc: ValidationError, prefix: str) -> CaptureSpecError:
     return CaptureSpecError(f"{prefix}{'.' + path if path else ''}: {first['msg']}")
 
 
+def _canonical_hooks(raw: Any, where: str) -> Any:
+    """TransformerLens spellings and lists of site names as the ``{hook: layers}`` form ConsumerSpec takes."""
+    if isinstance(raw, list):
+        layers: dict[str, list[int]] = {}
+        for i, name in enumerate(raw):
+            try:
+                layer, hook = parse_site_name(name)
+            except (ValueError, TypeError, AttributeError):
+                raise CaptureSpecError(f"{where}.{i}: {name!r} is not a site name ('12.post_block' or "
+                                       "'blocks.12.hook_resid_post')") from None
+            layers.setdefault(hook, []).append(layer)
+        if not layers:
+            raise CaptureSpecError(f"{where}: name at least one site")
+        return {hook: sorted(set(found)) for hook, found in layers.items()}
+    if not isinstance(raw, Mapping):
+        return raw
+    canonical: dict[Any, Any] = {}
+    for key, layers in raw.items():
+        hook = canonical_hook(key)
+        if hook is None:
+            raise CaptureSpecError(f"{where}.{key}: unknown hook (known: {', '.join(HOOK_SPELLINGS)})")
+        if hook in canonical:
+            raise CaptureSpecError(f"{where}.{key}: hook {hook} is given twice (two spellings)")
+        canonical[hook] = layers
+    return canonical
+
+
 def validate_capture_spec(
     raw: Any, *, num_layers: int, consumers: Mapping[str, Any], field: str = "capture"
 ) -> CaptureSpec:
     """Parse and check a capture spec against the model and the engine's enabled consumers.
 
     ``consumers`` maps each enabled consumer name to its class (whose ``validate_options`` checks the
-    consumer's own options). Errors name the field, e.g. ``capture.filesystem.hooks.post_block``.
+    consumer's own options, and ``validate_hooks`` the sites it can take). Errors name the field, e.g.
+    ``capture.filesystem.hooks.post_block``.
     """
     if not isinstance(raw, Mapping) or not raw:
         raise CaptureSpecError(f"{field}: expected an object mapping consumer names to specs")
@@ -150,6 +183,8 @@ def validate_capture_spec(
         if name not in consumers:
             enabled = ", ".join(sorted(consumers)) or "none"
             raise CaptureSpecError(f"{prefix}: consumer not enabled on this engine (enabled: {enabled})")
+        if isinstance(entry, Mapping) and "hooks" in entry:
+            entry = {**entry, "hooks": _canonical_hooks(entry["hooks"], f"{prefix}.hooks")}
         try:
             parsed = ConsumerSpec.model_validate(entry)
         except ValidationError as exc:
@@ -163,9 +198,14 @@ def validate_capture_spec(
                     )
         try:
             options = consumers[name].validate_options(parsed.options)
+            hooks = consumers[name].validate_hooks(parsed.hooks if "hooks" in parsed.model_fields_set else None,
+                                                   options)
         except ValueError as exc:
             raise CaptureSpecError(f"{prefix}.{exc}") from None
-        spec[name] = parsed.model_copy(update=options) if options != parsed.options else parsed
+        update = dict(options) if options != parsed.options else {}
+        if hooks != parsed.hooks:
+            update["hooks"] = hooks
+        spec[name] = parsed.model_copy(update=update) if update else parsed
     return spec
 
 

@@ -239,7 +239,7 @@ class CaptureStore:
         if dropped:
             missing = sorted(set(expected) - set(present))
             message = f"positions {missing[:8]}{'...' if len(missing) > 8 else ''} were not computed by this engine"
-        names = [site_name(layer, HOOKS[hook]) for layer, hook in sites]
+        names = [site_name(layer, HOOKS[hook], spec.naming) for layer, hook in sites]
         table = self.bank.steer_tables[self.bank.layers[0]]
         if present:
             columns = {site: i for i, site in enumerate(entry.sites)}

@@ -23,6 +23,7 @@ from vllm_interp.engine.runner import with_interp_runner
 from vllm_interp.models.registry import install_sites
 from vllm_interp.patching.sources import SOURCES
 from vllm_interp.patching.tables import PATCH_RESULT, PatchTables
+from vllm_interp.sae import activate_saes
 from vllm_interp.steering.tables import SteeringTables, table_rows
 from vllm_interp.steering.vectors import SteeringVectors
 
@@ -60,6 +61,8 @@ class InterpWorkerMixin:
     def _capture_store(self, config: InterpConfig, bank) -> CaptureStore:
         model_config = self.vllm_config.model_config
         num_layers = model_config.get_total_num_hidden_layers()
+        # Before the consumers: sae_features reads this process's SAEs.
+        activate_saes(config.saes, num_layers=num_layers, hidden_size=model_config.get_hidden_size())
         setups = configure_consumers(config.consumers)
         global_spec = {}
         if config.capture_global:

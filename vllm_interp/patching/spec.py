@@ -1,6 +1,7 @@
 """The patch spec: its wire form, its one validation, and the normalised form the engine carries.
 
-A request's ``patch`` is a list of entries ``{layer, hook, position, alpha = 1.0, source}``: at
+A request's ``patch`` is a list of entries ``{layer, hook, position, alpha = 1.0, source}`` (or ``site``,
+e.g. ``blocks.3.hook_resid_post``, for ``layer`` and ``hook``; hooks may be spelled as TransformerLens does): at
 ``(layer, hook)`` the residual row of prompt position ``position`` becomes ``(1 - alpha) * x + alpha *
 source`` (alpha 1: the source exactly). ``source`` is exactly one of
 
@@ -21,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from vllm_interp.hooks import HOOK_INDEX, HOOKS
+from vllm_interp.hooks import HOOK_SPELLINGS, canonical_hook, parse_site_name
 from vllm_interp.steering.vectors import ModelShape, SteeringError, entry_vector
 
 FIELD = "patch"
@@ -137,6 +138,28 @@ def _source(raw: Any, where: str, shape: ModelShape, run_generation: Callable[[s
     return None, run, position, generation
 
 
+def _site(item: Mapping[str, Any], where: str, shape: ModelShape) -> tuple[int, str]:
+    """(layer, hook) of an entry: ``layer`` and ``hook`` (either spelling), or one ``site`` name."""
+    if "site" in item:
+        if "layer" in item or "hook" in item:
+            raise PatchError(f"{where}.site: give site, or layer and hook, not both")
+        try:
+            layer, hook = parse_site_name(item["site"])
+        except (ValueError, TypeError, AttributeError):
+            raise PatchError(f"{where}.site: {item['site']!r} is not a site name ('12.post_block' or "
+                             "'blocks.12.hook_resid_post')") from None
+        _integer(layer, f"{where}.site", high=shape.num_layers)
+        return layer, hook
+    for required in ("layer", "hook"):
+        if required not in item:
+            raise PatchError(f"{where}.{required}: required (or give site)")
+    layer = _integer(item["layer"], f"{where}.layer", high=shape.num_layers)
+    hook = canonical_hook(item["hook"])
+    if hook is None:
+        raise PatchError(f"{where}.hook: unknown hook {item['hook']!r} (known: {', '.join(HOOK_SPELLINGS)})")
+    return layer, hook
+
+
 def validate_patch(raw: Any, *, shape: ModelShape, enabled: bool, max_patches: int,
                    run_generation: Callable[[str], str | None]) -> PatchSpec | None:
     """The one validation of a request's ``patch`` field (None or empty: no patch).
@@ -157,15 +180,12 @@ def validate_patch(raw: Any, *, shape: ModelShape, enabled: bool, max_patches: i
         where = f"{FIELD}.{i}"
         if not isinstance(item, Mapping):
             raise PatchError(f"{where}: expected an object {{layer, hook, position, alpha, source}}")
-        for required in ("layer", "hook", "position", "source"):
+        for required in ("position", "source"):
             if required not in item:
                 raise PatchError(f"{where}.{required}: required")
-        if extra := sorted(set(item) - {"layer", "hook", "position", "alpha", "source"}):
+        if extra := sorted(set(item) - {"layer", "hook", "site", "position", "alpha", "source"}):
             raise PatchError(f"{where}.{extra[0]}: unknown field")
-        layer = _integer(item["layer"], f"{where}.layer", high=shape.num_layers)
-        hook = item["hook"]
-        if hook not in HOOK_INDEX:
-            raise PatchError(f"{where}.hook: unknown hook {hook!r} (known: {', '.join(HOOKS)})")
+        layer, hook = _site(item, where, shape)
         position = _integer(item["position"], f"{where}.position")
         alpha = item.get("alpha", 1.0)
         if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not 0.0 <= alpha <= 1.0:

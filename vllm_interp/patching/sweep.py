@@ -18,12 +18,12 @@ from typing import Any, Literal
 from uuid import uuid4
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError, field_validator, model_validator
 from vllm import SamplingParams
 
 from vllm_interp.capture.spec import CaptureSpec, validate_capture_spec
 from vllm_interp.frontend import InterpFrontend, PreparedRequest, collect_results_async
-from vllm_interp.hooks import Hook
+from vllm_interp.hooks import Hook, canonical_hook
 from vllm_interp.patching.spec import PatchEntry, PatchError, PatchSpec
 from vllm_interp.patching.tables import PATCH_RESULT
 from vllm_interp.request_args import EXTRA_ARGS_KEY
@@ -64,6 +64,14 @@ class SweepRequest(BaseModel):
     foil_token_id: StrictInt | None = None
     metric: Metric = "logprob"
     stream: bool = False
+
+    @field_validator("hooks", "hook", mode="before")
+    @classmethod
+    def _canonical_hooks(cls, value: Any) -> Any:
+        """TransformerLens spellings (``hook_resid_post``) name the same hooks; grids use ours."""
+        if isinstance(value, list):
+            return [canonical_hook(h) or h for h in value]
+        return canonical_hook(value) or value
 
     @model_validator(mode="after")
     def _one_of_each(self) -> "SweepRequest":

@@ -10,14 +10,12 @@ from argparse import Namespace
 from fastapi import FastAPI
 from starlette.datastructures import State
 
-from vllm_interp.capture.plugins import consumer_class
 from vllm_interp.config import DEFAULT_MAX_SWEEP_CELLS, InterpConfig
 from vllm_interp.frontend import InterpFrontend
 from vllm_interp.server import patch_routes, steering_routes
 from vllm_interp.server.auth import configured_keys
 from vllm_interp.server.request_fields import RequestFieldsMiddleware
 from vllm_interp.steering.files import load_named_file, parse_named_file
-from vllm_interp.steering.state import SteeringState
 from vllm_interp.steering.vectors import ModelShape
 
 PLUGIN_NAME = "vllm_interp_http"
@@ -38,14 +36,12 @@ class InterpEndpoints:
         config = InterpConfig.from_additional_config(vllm_config.additional_config) or InterpConfig()
         model_config = vllm_config.model_config
         shape = ModelShape(model_config.get_total_num_hidden_layers(), model_config.get_hidden_size())
-        steering = SteeringState(shape, enabled=config.enable_steering)
+        frontend = InterpFrontend.for_engine(config, shape)
         for flag in getattr(args, "steering_vectors", None) or []:
             name, path = parse_named_file(flag)
-            steering.register(name, load_named_file(path))
-        state.vllm_interp_steering = steering
+            frontend.steering.register(name, load_named_file(path))
+        state.vllm_interp_steering = frontend.steering
         state.vllm_interp_num_layers = shape.num_layers
-        state.vllm_interp_frontend = InterpFrontend(
-            steering, {n: consumer_class(n) for n in config.consumer_names}, patching=config.enable_patching,
-            max_patch_rows=config.max_patch_rows)
+        state.vllm_interp_frontend = frontend
         state.vllm_interp_api_keys = configured_keys(getattr(args, "steering_api_key", None))
         state.vllm_interp_max_sweep_cells = getattr(args, "max_sweep_cells", DEFAULT_MAX_SWEEP_CELLS)

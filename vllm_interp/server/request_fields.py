@@ -6,21 +6,28 @@ payload (``vllm_interp.frontend``) in ``vllm_xargs["vllm_interp"]`` (a JSON stri
 no nested objects), which vLLM copies into ``SamplingParams.extra_args``. Requests are stamped even without
 fields of their own while global steering is set, so that their prefix-cache keys cover the global vectors.
 
-A non-streaming request with ``capture`` or ``patch`` gets a key; once vLLM's response is complete, the
-results for that key are fetched from the workers: the consumers' go into the JSON body as
-``capture_results``; a patch that could not be applied as specified turns the response into a 409 error
-(the completion is not a patched result). Streaming responses carry no results (the consumers still
-receive the rows), so ``patch`` needs ``stream: false``.
+A request with ``capture`` or ``patch`` gets a key; once vLLM's response is complete, the results for that
+key are fetched from the workers: the consumers' go into the JSON body as ``capture_results``; a patch that
+could not be applied as specified turns the response into a 409 error (the completion is not a patched
+result). A streamed response cannot turn into an error once it has begun, so ``patch`` needs
+``stream: false``.
+
+A streamed response carries ``capture_results`` in its last event before ``data: [DONE]``. The results
+need the request's final length, which only vLLM's usage chunk tells, so vLLM is asked for that chunk;
+when the client did not ask for it, it is taken out again (its ``system_fingerprint`` going to the chunk
+that finished the choice, where vLLM puts it without usage) and the results ride on the finishing chunk.
+Events pass through as they come, except one that may be the last (see ``_ResultStream``).
 """
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from vllm_interp.capture.results import result_to_json
+from vllm_interp.capture.results import ConsumerResult, result_to_json
 from vllm_interp.capture.spec import CaptureSpecError, validate_capture_spec
 from vllm_interp.frontend import (
     RESULTS_RPC,
@@ -39,6 +46,8 @@ from vllm_interp.steering.vectors import SteeringError
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 FIELDS = tuple(InterpRequestFields.model_fields)
+EVENT_END = b"\n\n"
+DONE_EVENT = b"data: [DONE]"
 
 
 def field_error_response(exc: ValueError) -> JSONResponse:
@@ -49,6 +58,17 @@ def field_error_response(exc: ValueError) -> JSONResponse:
 
 def _bad_request(param: str, message: str) -> JSONResponse:
     return JSONResponse(error_body(f"{param}: {message}", param=param), status_code=400)
+
+
+@dataclass(frozen=True)
+class _Rewritten:
+    """The body vLLM gets and what the response needs: results to collect (``prepared.key``), whether they
+    go into an event stream, and whether that stream's usage chunk is ours rather than the client's."""
+
+    body: bytes
+    prepared: PreparedRequest | None = None
+    stream: bool = False
+    strip_usage: bool = False
 
 
 class RequestFieldsMiddleware:
@@ -64,24 +84,28 @@ class RequestFieldsMiddleware:
         if isinstance(rewritten, JSONResponse):
             await rewritten(scope, receive, send)
             return
-        body, prepared = rewritten
-        app_scope, app_receive = _with_length(scope, len(body)), _replay(body, receive)
+        prepared = rewritten.prepared
+        app_scope = _with_length(scope, len(rewritten.body))
+        app_receive = _replay(rewritten.body, receive)
         if prepared is None or prepared.key is None:
             await self.app(app_scope, app_receive, send)
-            return
-        response = _BufferedResponse()
-        await self.app(app_scope, app_receive, response.send)
-        await response.replay(send, *await self._results_for(scope, response, prepared))
+        elif rewritten.stream:
+            stream = _ResultStream(send, scope["app"].state, prepared, rewritten.strip_usage)
+            await self.app(app_scope, app_receive, stream.send)
+        else:
+            response = _BufferedResponse()
+            await self.app(app_scope, app_receive, response.send)
+            await response.replay(send, *await self._results_for(scope, response, prepared))
 
-    async def _rewrite(self, scope: Scope, body: bytes) -> tuple[bytes, PreparedRequest | None] | JSONResponse:
+    async def _rewrite(self, scope: Scope, body: bytes) -> _Rewritten | JSONResponse:
         state = scope["app"].state
         frontend: InterpFrontend | None = getattr(state, "vllm_interp_frontend", None)
         try:
             data = json.loads(body)
         except ValueError:
-            return body, None  # not JSON: vLLM answers with its own error
+            return _Rewritten(body)  # not JSON: vLLM answers with its own error
         if not isinstance(data, dict) or frontend is None:
-            return body, None
+            return _Rewritten(body)
         xargs = data.get("vllm_xargs")
         if isinstance(xargs, dict) and EXTRA_ARGS_KEY in xargs:
             # Only this middleware writes the normalised payload; a client-made one would skip validation.
@@ -92,7 +116,7 @@ class RequestFieldsMiddleware:
             capture = self._capture_spec(state, data, fields.get("capture"))
             patch = await self._patch_spec(state, scope["path"], data, fields.get(PATCH_FIELD))
             steering_fields = {k: v for k, v in fields.items() if k in STEERING_FIELDS}
-            prepared = frontend.prepare(steering_fields, capture, patch, collect=not data.get("stream"))
+            prepared = frontend.prepare(steering_fields, capture, patch, collect=True)
         except (SteeringError, CaptureSpecError, PatchError) as exc:
             return field_error_response(exc)
         except ValidationError as exc:  # a field of the wrong JSON type
@@ -103,8 +127,10 @@ class RequestFieldsMiddleware:
             xargs[EXTRA_ARGS_KEY] = json.dumps(prepared.payload)
             data["vllm_xargs"] = xargs
         if not fields and not prepared.payload:
-            return body, None
-        return json.dumps(data).encode(), prepared
+            return _Rewritten(body)
+        stream = bool(data.get("stream"))
+        strip_usage = stream and prepared.key is not None and _ask_for_usage(state, data)
+        return _Rewritten(json.dumps(data).encode(), prepared, stream, strip_usage)
 
     @staticmethod
     def _capture_spec(state: Any, data: dict[str, Any], raw: Any):
@@ -114,6 +140,9 @@ class RequestFieldsMiddleware:
                                      consumers=state.vllm_interp_frontend.consumers)
         if data.get("n", 1) != 1:
             raise CaptureSpecError("capture: n > 1 is not supported with capture; send the prompt n times")
+        if _several_prompts(data):
+            raise CaptureSpecError("capture: one prompt per request with capture (results are per request); "
+                                   "send the prompts as separate requests")
         return spec
 
     @staticmethod
@@ -125,6 +154,8 @@ class RequestFieldsMiddleware:
                              "use stream: false (or /v1/patch_sweep with stream: true)")
         if data.get("n", 1) != 1:
             raise PatchError(f"{PATCH_FIELD}: n > 1 is not supported with patch; send the prompt n times")
+        if _several_prompts(data):
+            raise PatchError(f"{PATCH_FIELD}: one prompt per request with patch; send the prompts as separate requests")
         if path == "/v1/chat/completions" and _has_media(data.get("messages")):
             raise PatchError(f"{PATCH_FIELD}: patching is text-only; the messages carry non-text content")
         frontend: InterpFrontend = state.vllm_interp_frontend
@@ -140,23 +171,46 @@ class RequestFieldsMiddleware:
         body = response.json()
         if response.status != 200 or body is None:
             return None, None
-        usage = body.get("usage") or {}
-        length = int(usage.get("prompt_tokens", 0)) + int(usage.get("completion_tokens", 0))
-        state = scope["app"].state
-        frontend: InterpFrontend = state.vllm_interp_frontend
-        collector = frontend.collector({prepared.key: length}, {prepared.key: prepared})
-        await collect_results_async(
-            collector, lambda pending, wait_s: state.engine_client.collective_rpc(RESULTS_RPC, args=(pending, wait_s)))
-        results = frontend.merged(collector)[prepared.key]
-        patch = results.pop(PATCH_RESULT, None)
+        capture, patch = await _collect(scope["app"].state, prepared, body.get("usage") or {})
         if patch is not None and patch.status != "ok":
             return error_body(f"{PATCH_FIELD}: {patch.message}", param=PATCH_FIELD, code=409), 409
-        if results:
-            body["capture_results"] = {
-                name: result_to_json(result, frontend.consumers[name].result_to_json)
-                for name, result in results.items()
-            }
+        if capture:
+            body["capture_results"] = capture
         return body, None
+
+
+def _ask_for_usage(state: Any, data: dict[str, Any]) -> bool:
+    """Have vLLM end the stream with its usage chunk; whether the client would not have got that chunk."""
+    options = data.get("stream_options")
+    server_args = getattr(state, "args", None)
+    if getattr(server_args, "enable_force_include_usage", False) or not isinstance(options, dict | None):
+        return False  # vLLM sends usage anyway, or refuses the options
+    if (options or {}).get("include_usage"):
+        return False
+    # Without include_usage vLLM ignores continuous_usage_stats: turned off, the other chunks stay as they were.
+    data["stream_options"] = {**(options or {}), "include_usage": True, "continuous_usage_stats": False}
+    return True
+
+
+async def _collect(state: Any, prepared: PreparedRequest,
+                   usage: dict[str, Any]) -> tuple[dict[str, Any], ConsumerResult | None]:
+    """The request's capture results as JSON (by consumer) and its patch status, from the workers; ``usage``
+    (vLLM's token counts) gives the request's final length."""
+    length = int(usage.get("prompt_tokens", 0)) + int(usage.get("completion_tokens", 0))
+    frontend: InterpFrontend = state.vllm_interp_frontend
+    collector = frontend.collector({prepared.key: length}, {prepared.key: prepared})
+    await collect_results_async(
+        collector, lambda pending, wait_s: state.engine_client.collective_rpc(RESULTS_RPC, args=(pending, wait_s)))
+    results = frontend.merged(collector)[prepared.key]
+    patch = results.pop(PATCH_RESULT, None)
+    return {name: result_to_json(result, frontend.consumers[name].result_to_json)
+            for name, result in results.items()}, patch
+
+
+def _several_prompts(data: dict[str, Any]) -> bool:
+    """A /v1/completions batch: a list of prompts (text or token lists), not one token list."""
+    prompt = data.get("prompt")
+    return isinstance(prompt, list) and len(prompt) > 1 and not all(isinstance(t, int) for t in prompt)
 
 
 def _has_media(messages: Any) -> bool:
@@ -198,6 +252,104 @@ class _BufferedResponse:
         await send({"type": "http.response.start", "status": status or self.status,
                     "headers": [*headers, (b"content-length", str(len(content)).encode())]})
         await send({"type": "http.response.body", "body": content, "more_body": False})
+
+
+class _ResultStream:
+    """Passes vLLM's server-sent events on as they come, but holds back an event that may be the last one (a
+    chunk that finishes a choice, or the usage chunk) until the next event shows whether it was; at
+    ``[DONE]`` the held event takes the capture results. Holding only those keeps every token's timing.
+
+    vLLM writes each event as ``data: <json>`` followed by a blank line; a body message may carry several
+    events or part of one. An error status or an error event turns the rest of the stream into a plain
+    pass-through."""
+
+    def __init__(self, send: Send, state: Any, prepared: PreparedRequest, strip_usage: bool) -> None:
+        self._send = send
+        self._state = state
+        self._prepared = prepared
+        self._strip_usage = strip_usage
+        self._partial = b""  # the start of an event whose end has not come yet
+        self._held: tuple[bytes, dict[str, Any]] | None = None  # (as sent, as parsed)
+        self._usage: dict[str, Any] | None = None
+        self._pass_through = False
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self._pass_through = message["status"] != 200
+        if message["type"] != "http.response.body" or self._pass_through:
+            await self._send(message)
+            return
+        data, out = self._partial + message.get("body", b""), []
+        while not self._pass_through and (end := data.find(EVENT_END)) >= 0:
+            out.append(await self._on_event(data[:end]))
+            data = data[end + len(EVENT_END):]
+        more = message.get("more_body", False)
+        if self._pass_through or not more:
+            # After an error event nothing is held back; a stream that ended without [DONE] (not vLLM's way)
+            # gets what is left as it is.
+            out += [self._release(), data]
+            data = b""
+        self._partial = data
+        if any(out) or not more:
+            await self._send({"type": "http.response.body", "body": b"".join(out), "more_body": more})
+
+    async def _on_event(self, event: bytes) -> bytes:
+        """What to send on for one event (given without its blank line)."""
+        if event == DONE_EVENT:
+            return await self._finish() + event + EVENT_END
+        chunk = _event_json(event)
+        usage = chunk.get("usage") if chunk.get("choices") == [] else None
+        if usage is not None:
+            self._usage = usage
+            if self._strip_usage:
+                self._move_fingerprint(chunk)
+                return b""
+        released = self._release()
+        if "error" in chunk:
+            self._pass_through = True
+        elif usage is not None or _finishes_a_choice(chunk):
+            self._held = (event + EVENT_END, chunk)
+            return released
+        return released + event + EVENT_END
+
+    def _move_fingerprint(self, usage_chunk: dict[str, Any]) -> None:
+        """Without include_usage vLLM stamps the system fingerprint on the finishing chunk instead."""
+        fingerprint = usage_chunk.get("system_fingerprint")
+        if self._held is not None and fingerprint is not None:
+            chunk = {**self._held[1], "system_fingerprint": fingerprint}
+            self._held = (_event_bytes(chunk), chunk)
+
+    async def _finish(self) -> bytes:
+        if self._held is None or self._usage is None:
+            return self._release()
+        (sent, chunk), self._held = self._held, None
+        # A streamed request carries no patch (refused up front), so there is no patch status to report.
+        capture, _ = await _collect(self._state, self._prepared, self._usage)
+        return _event_bytes({**chunk, "capture_results": capture}) if capture else sent
+
+    def _release(self) -> bytes:
+        held, self._held = self._held, None
+        return held[0] if held else b""
+
+
+def _event_json(event: bytes) -> dict[str, Any]:
+    """The JSON object of a ``data:`` event; empty for anything else."""
+    if not event.startswith(b"data: "):
+        return {}
+    try:
+        data = json.loads(event[len(b"data: "):])
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _finishes_a_choice(chunk: dict[str, Any]) -> bool:
+    choices = chunk.get("choices")
+    return isinstance(choices, list) and any(isinstance(c, dict) and c.get("finish_reason") for c in choices)
+
+
+def _event_bytes(chunk: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(chunk).encode() + EVENT_END
 
 
 async def _read_body(receive: Receive) -> bytes:

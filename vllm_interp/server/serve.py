@@ -67,6 +67,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     group.add_argument("--capture-global", default="", metavar="JSON",
                        help='A capture spec applied to every request, e.g. \'{"logging": {"hooks": "all"}}\'.')
+    group.add_argument("--sae", action="append", default=[], metavar="NAME=DIR",
+                       help="Load a sparse autoencoder saved by SAELens (cfg.json + sae_weights.safetensors; "
+                       "repeatable): steering entries {sae, feature, scale} and the sae_features consumer use it.")
     group.add_argument("--capture-overload-policy", choices=OVERLOAD_POLICIES, default="block",
                        help="What a consumer whose queue is full does with more rows: wait (block), drop them "
                        "(reported in the request's result) or park them on disk (spill).")
@@ -86,6 +89,7 @@ def serve(command, args: argparse.Namespace) -> None:
         capture_consumers=tuple(args.capture_consumers),
         capture_global=args.capture_global,
         capture_overload_policy=args.capture_overload_policy,
+        saes=tuple(args.sae),
     )
     if config.hooks_needed:
         check_model_architecture(args.model, model_impl=args.model_impl, trust_remote_code=args.trust_remote_code)

@@ -1,12 +1,20 @@
-"""/v1/steering/*: global steering and named vectors over HTTP (the twins of vllm_interp.LLM's methods)."""
+"""/v1/steering/*: global steering, named vectors and contrastive vectors over HTTP (the twins of
+vllm_interp.LLM's methods)."""
 
+import asyncio
 from typing import Any
+from uuid import uuid4
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
+from vllm import SamplingParams
 
+from vllm_interp.capture.consumers.inline import ResidualReadout
+from vllm_interp.capture.spec import validate_capture_spec
+from vllm_interp.frontend import RESULTS_RPC, InterpFrontend, collect_results_async
 from vllm_interp.hooks import HOOKS
+from vllm_interp.request_args import EXTRA_ARGS_KEY
 from vllm_interp.server.auth import require_key
 from vllm_interp.server.protocol import (
     SteeringRegisterRequest,
@@ -15,6 +23,7 @@ from vllm_interp.server.protocol import (
     error_body,
 )
 from vllm_interp.server.request_fields import field_error_response
+from vllm_interp.steering.contrastive import ContrastiveRequest, contrastive_vectors, validate_contrastive
 from vllm_interp.steering.state import SteeringState
 from vllm_interp.steering.vectors import SteeringError, SteeringVectors
 
@@ -109,3 +118,57 @@ async def unregister_vectors(request: Request) -> Any:
         return {"unregistered": body.name}
 
     return await _mutating(request, SteeringUnregisterRequest, action)
+
+
+@router.post("/vectors/contrastive")
+async def contrastive_vector(request: Request) -> Any:
+    """mean(positive) - mean(negative) residuals (``vllm_interp.steering.contrastive``); registering the
+    result under ``name`` needs an API key, like /vectors/register."""
+    state = request.app.state
+    frontend: InterpFrontend = state.vllm_interp_frontend
+    try:
+        raw = await request.json()
+    except ValueError:
+        return JSONResponse(error_body("body: not JSON", param="body"), 400)
+    if isinstance(raw, dict) and raw.get("name") is not None:
+        require_key(request, state.vllm_interp_api_keys)
+    try:
+        body = validate_contrastive(raw, shape=frontend.steering.shape, consumers=list(frontend.consumers))
+        result = contrastive_vectors(body, await _readouts(state, body), frontend.steering.shape.num_layers)
+        if body.name is not None:
+            frontend.steering.register(body.name, {"vectors": result.steering_spec()})
+    except SteeringError as exc:
+        return field_error_response(exc)
+    return result.to_json()
+
+
+async def _readouts(state: Any, body: ContrastiveRequest) -> list[ResidualReadout]:
+    """Every prompt's captured rows, all prompts submitted at once (one batch)."""
+    frontend: InterpFrontend = state.vllm_interp_frontend
+    engine = state.engine_client
+    spec = validate_capture_spec(body.capture_spec(frontend.steering.shape.num_layers),
+                                 num_layers=frontend.steering.shape.num_layers, consumers=frontend.consumers)
+    prepared = [frontend.prepare({}, spec, None, collect=True) for _ in body.prompts]
+    batch = uuid4().hex[:12]
+
+    async def run(i: int, prompt: str):
+        params = SamplingParams(temperature=0.0, max_tokens=1, extra_args={EXTRA_ARGS_KEY: prepared[i].payload})
+        final = None
+        async for output in engine.generate(prompt, params, f"contrastive-{batch}-{i}"):
+            final = output
+        return final
+
+    outputs = await asyncio.gather(*(run(i, prompt) for i, prompt in enumerate(body.prompts)))
+    lengths = {p.key: len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for p, o in zip(prepared, outputs,
+                                                                                         strict=True)}
+    collector = frontend.collector(lengths, {p.key: p for p in prepared})
+    await collect_results_async(collector, lambda pending, wait_s: engine.collective_rpc(RESULTS_RPC,
+                                                                                        args=(pending, wait_s)))
+    results = frontend.merged(collector)
+    readouts = []
+    for i, p in enumerate(prepared):
+        inline = results[p.key]["inline"]
+        if inline.status != "ok" or inline.result is None:
+            raise SteeringError(f"positive: capturing prompt {i} failed: {inline.message}")
+        readouts.append(ResidualReadout.from_result(inline.result))
+    return readouts

@@ -10,6 +10,7 @@ vectors the workers do not have.
 from collections.abc import Mapping
 from typing import Any
 
+from vllm_interp.sae import SparseAutoencoder
 from vllm_interp.steering.vectors import (
     REQUEST_FIELDS,
     TIERS,
@@ -27,14 +28,17 @@ RAW_KEY = "steering_request"
 
 
 class SteeringState:
-    def __init__(self, shape: ModelShape, *, enabled: bool) -> None:
+    def __init__(self, shape: ModelShape, *, enabled: bool,
+                 saes: Mapping[str, SparseAutoencoder] | None = None) -> None:
         self.shape = shape
         self.enabled = enabled
+        # Steering entries may name a feature of these (``{sae, feature, scale}``).
+        self.saes = dict(saes or {})
         self.global_vectors = SteeringVectors()
         self.named: dict[str, SteeringVectors] = {}
 
     def _validate(self, tiers: Mapping[Tier, Any], fields: Mapping[Tier, str]) -> SteeringVectors:
-        return validate_steering(tiers, shape=self.shape, enabled=self.enabled, fields=fields)
+        return validate_steering(tiers, shape=self.shape, enabled=self.enabled, fields=fields, saes=self.saes)
 
     # -- global --------------------------------------------------------------------------------------
     def plan_set(self, spec: Mapping[str, Any], *, replace: bool = False) -> SteeringVectors:

@@ -1,8 +1,11 @@
 """Steering vectors: the wire formats, their one validation, and the normalised form every layer uses.
 
-A steering spec maps hook -> layer -> entry, where an entry is a list of floats or ``{vector, scale}``;
-instead of a layer map a hook may carry the compact form ``{dtype, shape, layers, data}`` (base64 of
-little-endian float32 or bfloat16, ``shape = [len(layers), hidden]``, optional ``scales``). Three tiers:
+A steering spec maps hook -> layer -> entry, where an entry is a list of floats, ``{vector, scale}`` or an
+SAE feature ``{sae, feature, scale}`` (``scale * W_dec[feature]`` of an SAE loaded with ``--sae`` that reads
+that site); instead of a layer map a hook may carry the compact form ``{dtype, shape, layers, data}`` (base64
+of little-endian float32 or bfloat16, ``shape = [len(layers), hidden]``, optional ``scales``). Hooks may be
+spelled as TransformerLens does (``hook_resid_post``), and a whole site name (``12.post_block``,
+``blocks.12.hook_resid_post``) may map directly to one entry. Three tiers:
 ``base`` (every token), ``prefill`` (prompt tokens) and ``decode`` (generated tokens). The effective
 vector of a token is the sum of the global and the request's base and phase tiers.
 """
@@ -15,9 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError
 
-from vllm_interp.hooks import HOOK_INDEX, HOOKS, parse_site_name, site_name
+from vllm_interp.hooks import HOOK_SPELLINGS, Hook, canonical_hook, is_site_name, parse_site_name, site_name
+from vllm_interp.sae import SparseAutoencoder
 
 Tier = Literal["base", "prefill", "decode"]
 TIERS: tuple[Tier, ...] = ("base", "prefill", "decode")
@@ -175,46 +179,98 @@ def entry_vector(raw: Any, where: str) -> np.ndarray:
         raise SteeringError(f"{where}{'.' + loc if loc else ''}: {first['msg']}") from None
 
 
-def validate_steering_tier(raw: Any, *, where: str, shape: ModelShape) -> dict[str, np.ndarray]:
+def validate_steering_tier(raw: Any, *, where: str, shape: ModelShape,
+                           saes: Mapping[str, SparseAutoencoder] | None = None) -> dict[str, np.ndarray]:
     """One tier's spec -> site name -> vector. Checks hooks, layers, sizes, finiteness; ``where`` is the
-    field name errors start with."""
+    field name errors start with. Keys are hooks (either spelling) mapping layers to entries, or whole site
+    names (``12.post_block``, ``blocks.12.hook_resid_post``) mapping to one entry; an entry may name an SAE
+    feature (``{sae, feature, scale}``) of an SAE in ``saes`` that reads the same site."""
     if raw is None:
         return {}
     if not isinstance(raw, Mapping):
         raise SteeringError(f"{where}: expected an object mapping hook -> layer -> vector")
     sites: dict[str, np.ndarray] = {}
-    for hook, per_hook in raw.items():
-        hook_where = f"{where}.{hook}"
-        if hook not in HOOK_INDEX:
-            raise SteeringError(f"{hook_where}: unknown hook (known: {', '.join(HOOKS)})")
-        if isinstance(per_hook, Mapping) and "data" in per_hook:
-            try:
-                vectors = _decode_packed(PackedVectors.model_validate(per_hook), hook_where, shape)
-            except ValidationError as exc:
-                first = exc.errors()[0]
-                raise SteeringError(f"{hook_where}.{'.'.join(map(str, first['loc']))}: {first['msg']}") from None
-        elif isinstance(per_hook, Mapping):
-            vectors = {}
-            for layer, entry in per_hook.items():
-                if not (isinstance(layer, int) or (isinstance(layer, str) and layer.lstrip("-").isdigit())):
-                    raise SteeringError(f"{hook_where}.{layer}: layer must be an integer")
-                vectors[int(layer)] = entry_vector(entry, f"{hook_where}.{layer}")
-        else:
-            raise SteeringError(f"{hook_where}: expected a layer -> vector object or the packed form")
-        for layer, vector in vectors.items():
-            layer_where = f"{hook_where}.{layer}"
+    for key, value in raw.items():
+        key_where = f"{where}.{key}"
+        for layer, hook, vector, entry_where in _tier_entries(key, value, key_where, shape, saes or {}):
             if not 0 <= layer < shape.num_layers:
-                raise SteeringError(f"{layer_where}: layer out of range [0, {shape.num_layers})")
+                raise SteeringError(f"{entry_where}: layer out of range [0, {shape.num_layers})")
             if vector.shape != (shape.hidden_size,):
-                raise SteeringError(f"{layer_where}: expected {shape.hidden_size} values, got {vector.size}")
+                raise SteeringError(f"{entry_where}: expected {shape.hidden_size} values, got {vector.size}")
             if not np.isfinite(vector).all():
-                raise SteeringError(f"{layer_where}: values must be finite (got NaN or infinity)")
-            sites[site_name(layer, hook)] = vector.astype(np.float32)
+                raise SteeringError(f"{entry_where}: values must be finite (got NaN or infinity)")
+            name = site_name(layer, hook)
+            if name in sites:
+                raise SteeringError(f"{entry_where}: site {name} is given twice in this tier")
+            sites[name] = vector.astype(np.float32)
     return sites
 
 
+def _tier_entries(key: Any, value: Any, where: str, shape: ModelShape, saes: Mapping[str, SparseAutoencoder]
+                  ) -> list[tuple[int, Hook, np.ndarray, str]]:
+    """(layer, hook, vector, field) of every entry under one key of a tier's spec."""
+    hook = canonical_hook(key)
+    if hook is None:
+        if not is_site_name(key):
+            raise SteeringError(f"{where}: unknown hook or site (hooks: {', '.join(HOOK_SPELLINGS)}; sites: "
+                                "'12.post_block' or 'blocks.12.hook_resid_post')")
+        layer, hook = parse_site_name(key)
+        return [(layer, hook, _entry(value, where, layer, hook, saes), where)]
+    if isinstance(value, Mapping) and "data" in value:
+        try:
+            vectors = _decode_packed(PackedVectors.model_validate(value), where, shape)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            raise SteeringError(f"{where}.{'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+        return [(layer, hook, vector, f"{where}.{layer}") for layer, vector in vectors.items()]
+    if not isinstance(value, Mapping):
+        raise SteeringError(f"{where}: expected a layer -> vector object or the packed form")
+    entries = []
+    for layer, entry in value.items():
+        if not (isinstance(layer, int) or (isinstance(layer, str) and layer.lstrip("-").isdigit())):
+            raise SteeringError(f"{where}.{layer}: layer must be an integer")
+        entries.append((int(layer), hook, _entry(entry, f"{where}.{layer}", int(layer), hook, saes),
+                        f"{where}.{layer}"))
+    return entries
+
+
+def _entry(raw: Any, where: str, layer: int, hook: Hook, saes: Mapping[str, SparseAutoencoder]) -> np.ndarray:
+    if isinstance(raw, Mapping) and "sae" in raw:
+        return sae_feature_vector(raw, where, site_name(layer, hook), saes)
+    return entry_vector(raw, where)
+
+
+class FeatureEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    sae: str
+    feature: StrictInt
+    scale: float = 1.0
+
+
+def sae_feature_vector(raw: Any, where: str, site: str, saes: Mapping[str, SparseAutoencoder]) -> np.ndarray:
+    """``scale * W_dec[feature]`` of ``{sae, feature, scale}``; the SAE must read ``site``."""
+    try:
+        entry = FeatureEntry.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(map(str, first["loc"]))
+        raise SteeringError(f"{where}{'.' + loc if loc else ''}: {first['msg']}") from None
+    sae = saes.get(entry.sae)
+    if sae is None:
+        loaded = ", ".join(sorted(saes)) or "none; start the engine with --sae NAME=DIR"
+        raise SteeringError(f"{where}.sae: unknown SAE {entry.sae!r} (loaded: {loaded})")
+    if sae.site != site:
+        raise SteeringError(f"{where}.sae: SAE {entry.sae!r} reads {sae.site} "
+                            f"({site_name(sae.layer, sae.hook, 'transformer_lens')}), not {site}")
+    if not 0 <= entry.feature < sae.num_features:
+        raise SteeringError(f"{where}.feature: {entry.feature} out of range [0, {sae.num_features})")
+    return sae.W_dec[entry.feature] * np.float32(entry.scale)
+
+
 def validate_steering(
-    tiers: Mapping[Tier, Any], *, shape: ModelShape, enabled: bool, fields: Mapping[Tier, str] = REQUEST_FIELDS
+    tiers: Mapping[Tier, Any], *, shape: ModelShape, enabled: bool, fields: Mapping[Tier, str] = REQUEST_FIELDS,
+    saes: Mapping[str, SparseAutoencoder] | None = None,
 ) -> SteeringVectors:
     """The one validation of a steering spec, shared by the HTTP layer, the offline API and the worker.
 
@@ -224,7 +280,7 @@ def validate_steering(
     if given and not enabled:
         raise SteeringError(f"{fields[next(iter(given))]}: steering is not enabled on this engine (--enable-steering)")
     return SteeringVectors({
-        tier: validate_steering_tier(raw, where=fields[tier], shape=shape) for tier, raw in given.items()
+        tier: validate_steering_tier(raw, where=fields[tier], shape=shape, saes=saes) for tier, raw in given.items()
     })
 
 

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load, save
 
 from vllm_interp.capture.consumer import CaptureConsumer, RequestCapture, merge_stages
-from vllm_interp.hooks import site_name, site_order
+from vllm_interp.hooks import canonical_hook, parse_site_name, site_name, site_order
 
 METADATA_KEY = "vllm_interp"
 
@@ -29,7 +29,12 @@ class ResidualReadout:
     metadata: dict[str, Any]
 
     def __getitem__(self, site: str | tuple[int, str]) -> torch.Tensor:
-        key = site_name(*site) if isinstance(site, tuple) else site
+        if isinstance(site, tuple):
+            layer, hook = site
+            key = next((n for n in self.tensors if parse_site_name(n) == (layer, canonical_hook(hook))),
+                       site_name(layer, hook))
+        else:
+            key = site
         if key not in self.tensors:
             raise KeyError(f"site {key!r} was not captured; captured sites: {list(self.tensors)}")
         return self.tensors[key]
@@ -39,8 +44,9 @@ class ResidualReadout:
         return list(self.tensors)
 
     def stack(self, hook: str) -> torch.Tensor:
-        """``[layers, positions, hidden]`` for one hook, in layer order."""
-        names = [name for name in self.tensors if name.endswith(f".{hook}")]
+        """``[layers, positions, hidden]`` for one hook (either spelling), in layer order."""
+        wanted = canonical_hook(hook)
+        names = [name for name in self.tensors if parse_site_name(name)[1] == wanted]
         if not names:
             raise KeyError(f"hook {hook!r} was not captured")
         return torch.stack([self.tensors[name] for name in names])
