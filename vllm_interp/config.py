@@ -2,7 +2,7 @@
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from vllm_interp.hooks import HOOKS
@@ -17,8 +17,14 @@ OVERLOAD_POLICIES = ("block", "drop", "spill")
 DEFAULT_MAX_STEERING_CONFIGS = 8
 DEFAULT_MAX_PATCH_ROWS = 1024
 DEFAULT_PATCH_SOURCE_BYTES = 1 << 30
-# Cells one /v1/patch_sweep request may ask for (a frontend setting: not part of the engine config).
+# Bounds the admitting process applies to what requests may ask for (docs/limits.md). The workers never
+# need them, so they are not part of InterpConfig: each front door holds its own ``FrontendLimits``.
 DEFAULT_MAX_SWEEP_CELLS = 4096
+DEFAULT_MAX_INTERP_BODY_BYTES = 16 << 20
+# A handful of sites is the usual steering; 256 still covers every hook of an 85-layer model in one tier.
+DEFAULT_MAX_STEERING_SITES_PER_REQUEST = 256
+DEFAULT_MAX_NAMED_VECTORS = 256
+DEFAULT_MAX_CAPTURE_BYTES_PER_REQUEST = 1 << 30
 # The capture consumer --enable-patching adds: it keeps source runs for patching in worker memory.
 PATCH_SOURCE_CONSUMER = "patch_source"
 
@@ -121,3 +127,29 @@ class InterpConfig:
         raw["capture_consumers"] = tuple(raw.get("capture_consumers", ()))
         raw["saes"] = tuple(raw.get("saes", ()))
         return cls(**raw)
+
+
+@dataclass(frozen=True)
+class FrontendLimits:
+    """What one request (or one server) may ask of the admitting process; field names are the flags' dests
+    (``--max-interp-body-bytes`` -> ``max_interp_body_bytes``)."""
+
+    # Bytes of a body that carries vllm-interp fields, or of any body sent to vllm-interp's own routes.
+    max_interp_body_bytes: int = DEFAULT_MAX_INTERP_BODY_BYTES
+    # Site vectors in one steering spec, all tiers together (a request's own plus its named vectors).
+    max_steering_sites_per_request: int = DEFAULT_MAX_STEERING_SITES_PER_REQUEST
+    max_named_vectors: int = DEFAULT_MAX_NAMED_VECTORS
+    # Worst-case bytes of the rows one request's capture spec selects, all consumers together.
+    max_capture_bytes_per_request: int = DEFAULT_MAX_CAPTURE_BYTES_PER_REQUEST
+    max_sweep_cells: int = DEFAULT_MAX_SWEEP_CELLS
+
+    def __post_init__(self) -> None:
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"--{field.name.replace('_', '-')} must be a positive integer, got {value!r}")
+
+    @classmethod
+    def from_args(cls, args: Any) -> "FrontendLimits":
+        """The limits a ``vllm-interp serve`` namespace sets (defaults for flags it lacks)."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if getattr(args, f.name, None) is not None})

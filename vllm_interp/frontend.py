@@ -20,7 +20,7 @@ from vllm_interp.capture.consumer import CaptureConsumer
 from vllm_interp.capture.plugins import consumer_class
 from vllm_interp.capture.results import ConsumerResult, ResultCollector
 from vllm_interp.capture.spec import CaptureSpec, spec_to_wire
-from vllm_interp.config import InterpConfig
+from vllm_interp.config import FrontendLimits, InterpConfig
 from vllm_interp.patching.spec import PatchSpec, validate_patch
 from vllm_interp.patching.tables import PATCH_RESULT
 from vllm_interp.sae import activate_saes
@@ -84,16 +84,20 @@ def merged_sources(per_rank: list[Mapping[str, Mapping[str, Any]]]) -> dict[str,
 
 class InterpFrontend:
     @classmethod
-    def for_engine(cls, config: InterpConfig, shape: ModelShape) -> "InterpFrontend":
-        """The frontend of an engine started with ``config`` on a model of ``shape``."""
+    def for_engine(cls, config: InterpConfig, shape: ModelShape,
+                   limits: FrontendLimits | None = None) -> "InterpFrontend":
+        """The frontend of an engine started with ``config`` on a model of ``shape``, admitting requests
+        within ``limits`` (default: the defaults of every ``--max-*`` flag)."""
+        limits = limits or FrontendLimits()
         saes = activate_saes(config.saes, num_layers=shape.num_layers, hidden_size=shape.hidden_size)
-        return cls(SteeringState(shape, enabled=config.enable_steering, saes=saes),
+        return cls(SteeringState(shape, enabled=config.enable_steering, saes=saes, limits=limits),
                    {name: consumer_class(name) for name in config.consumer_names},
-                   patching=config.enable_patching, max_patch_rows=config.max_patch_rows)
+                   patching=config.enable_patching, max_patch_rows=config.max_patch_rows, limits=limits)
 
     def __init__(self, steering: SteeringState, consumers: Mapping[str, type[CaptureConsumer]], *,
-                 patching: bool, max_patch_rows: int) -> None:
+                 patching: bool, max_patch_rows: int, limits: FrontendLimits | None = None) -> None:
         self.steering = steering
+        self.limits = limits or FrontendLimits()
         self.consumers = dict(consumers)
         self.patching = patching
         self.max_patch_rows = max_patch_rows

@@ -8,9 +8,10 @@ import vllm
 from vllm import RequestOutput, SamplingParams
 
 from vllm_interp.capture.consumers.inline import ResidualReadout
+from vllm_interp.capture.limits import check_capture_bytes
 from vllm_interp.capture.spec import CaptureSpec, validate_capture_spec
 from vllm_interp.compat import check_vllm_version
-from vllm_interp.config import DEFAULT_MAX_PATCH_ROWS, DEFAULT_MAX_STEERING_CONFIGS, InterpConfig
+from vllm_interp.config import DEFAULT_MAX_PATCH_ROWS, DEFAULT_MAX_STEERING_CONFIGS, FrontendLimits, InterpConfig
 from vllm_interp.default_model import resolve_model
 from vllm_interp.engine.args import check_model_architecture, interp_engine_args
 from vllm_interp.frontend import (
@@ -53,7 +54,8 @@ class LLM(vllm.LLM):
     ``output.patch``; a patch that could not be applied raises ``PatchFailed``), and ``enable_patching``
     adds the ``patch_source`` consumer whose runs ``patch_sources``/``delete_patch_source`` manage.
     ``saes={"name": dir}`` loads sparse autoencoders (SAELens's format) for feature steering entries and the
-    ``sae_features`` consumer. With any
+    ``sae_features`` consumer. ``limits`` bounds what requests may ask (``FrontendLimits``, the server's
+    ``--max-*`` flags; see docs/limits.md). With any
     feature on, an architecture vllm-interp cannot hook is refused before the engine starts.
     """
 
@@ -70,6 +72,7 @@ class LLM(vllm.LLM):
         max_patch_rows: int = DEFAULT_MAX_PATCH_ROWS,
         patch_source_bytes: int | None = None,
         saes: Mapping[str, str] | None = None,
+        limits: FrontendLimits | None = None,
         **kwargs: Any,
     ) -> None:
         check_vllm_version()
@@ -100,7 +103,7 @@ class LLM(vllm.LLM):
         model_config = self.llm_engine.model_config
         self.num_layers = model_config.get_total_num_hidden_layers()
         self.shape = ModelShape(self.num_layers, model_config.get_hidden_size())
-        self.frontend = InterpFrontend.for_engine(self.interp_config, self.shape)
+        self.frontend = InterpFrontend.for_engine(self.interp_config, self.shape, limits)
         self.steering = self.frontend.steering
         self._consumers = self.frontend.consumers
 
@@ -109,10 +112,10 @@ class LLM(vllm.LLM):
         """vLLM's ``generate``; ``capture=`` sends residual rows to consumers (``output.capture``),
         ``readout=`` returns them (``output.residuals``), and sampling params built with
         ``vllm_interp.steered_params`` are steered."""
-        count = _count_prompts(prompts)
-        captures = self._capture_specs(count, capture, readout)
-        params, prepared = self._prepare(count, sampling_params, captures)
-        _refuse_patched_media(prompts, prepared)
+        listed = _listed_prompts(prompts)
+        captures = self._capture_specs(len(listed), capture, readout)
+        params, prepared = self._prepare(len(listed), sampling_params, captures, listed)
+        _refuse_patched_media(listed, prepared)
         outputs = super().generate(prompts, params, **kwargs)
         return self._attach_results(outputs, prepared, strict=readout is not None)
 
@@ -120,7 +123,7 @@ class LLM(vllm.LLM):
              readout: SpecArg = None, **kwargs: Any):
         count = 1 if messages and isinstance(messages[0], dict) else len(messages)
         captures = self._capture_specs(count, capture, readout)
-        params, prepared = self._prepare(count, sampling_params, captures)
+        params, prepared = self._prepare(count, sampling_params, captures, [None] * count)
         outputs = super().chat(messages, params, **kwargs)
         return self._attach_results(outputs, prepared, strict=readout is not None)
 
@@ -202,9 +205,10 @@ class LLM(vllm.LLM):
                 validated[id(spec)] = validate_capture_spec(spec, num_layers=self.num_layers, consumers=self._consumers)
         return [None if spec is None else validated[id(spec)] for spec in specs]
 
-    def _prepare(self, count: int, sampling_params: Any,
-                 captures: list[CaptureSpec | None]) -> tuple[list[SamplingParams], list[PreparedRequest]]:
-        """Per-prompt SamplingParams with the vllm-interp payload in ``extra_args``."""
+    def _prepare(self, count: int, sampling_params: Any, captures: list[CaptureSpec | None],
+                 prompts: list[Any]) -> tuple[list[SamplingParams], list[PreparedRequest]]:
+        """Per-prompt SamplingParams with the vllm-interp payload in ``extra_args`` (``prompts``: each as given,
+        or None where unknown, e.g. chat messages, for the capture-size bound)."""
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         base = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params] * count
@@ -213,7 +217,9 @@ class LLM(vllm.LLM):
         params: list[SamplingParams] = []
         prepared: list[PreparedRequest] = []
         patches = self._patch_specs(base)
-        for spec, param in zip(captures, base, strict=True):
+        for spec, param, prompt in zip(captures, base, prompts, strict=True):
+            if spec is not None:
+                self._check_capture_bytes(spec, param, prompt)
             patch = patches.get(id(param))
             if (spec is not None or patch is not None) and param.n > 1:
                 raise ValueError("capture and patch: SamplingParams.n > 1 is not supported; submit the prompt n times")
@@ -225,6 +231,16 @@ class LLM(vllm.LLM):
             params.append(param)
             prepared.append(request)
         return params, prepared
+
+    def _check_capture_bytes(self, spec: CaptureSpec, param: SamplingParams, prompt: Any) -> None:
+        ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else prompt
+        text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
+        check_capture_bytes(
+            spec, num_layers=self.num_layers, hidden_size=self.shape.hidden_size, max_tokens=param.max_tokens,
+            max_model_len=self.llm_engine.model_config.max_model_len,
+            limit=self.frontend.limits.max_capture_bytes_per_request,
+            prompt_len=len(ids) if isinstance(ids, list) else None,
+            count_prompt=(lambda: len(self.get_tokenizer().encode(text))) if isinstance(text, str) else None)
 
     def _patch_specs(self, params: list[SamplingParams]) -> dict[int, PatchSpec]:
         """The validated patch spec of each distinct SamplingParams that carries one (validated once)."""
@@ -279,18 +295,17 @@ class LLM(vllm.LLM):
         return any(self.collective_rpc("interp_delete_patch_source", args=(run_id,)))
 
 
-def _refuse_patched_media(prompts: Any, prepared: list[PreparedRequest]) -> None:
+def _refuse_patched_media(listed: list[Any], prepared: list[PreparedRequest]) -> None:
     """Patching is text-only: positions index text tokens, which multimodal placeholders would shift."""
-    listed = [prompts] if isinstance(prompts, str | dict) or (prompts and isinstance(prompts[0], int)) else prompts
     for prompt, request in zip(listed, prepared, strict=False):
         if "patch" in request.payload and isinstance(prompt, dict) and prompt.get("multi_modal_data"):
             raise PatchError("patch: patching is text-only; this prompt carries multimodal data")
 
 
-def _count_prompts(prompts: Any) -> int:
-    """How many prompts vLLM will see (a str, a dict or a flat token-id list is a single prompt)."""
+def _listed_prompts(prompts: Any) -> list[Any]:
+    """The prompts vLLM will see, as a list (a str, a dict or a flat token-id list is a single prompt)."""
     if isinstance(prompts, str | dict):
-        return 1
+        return [prompts]
     if isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int):
-        return 1
-    return len(prompts)
+        return [prompts]
+    return list(prompts)

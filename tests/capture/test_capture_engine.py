@@ -131,3 +131,22 @@ def test_generated_rows_are_neither_lost_nor_duplicated_across_steps(smollm2_llm
     prompt_len = len(out.prompt_token_ids)
     start = 0 if positions == "all" else prompt_len
     assert out.residuals.positions == list(range(start, prompt_len + 11))
+
+
+def test_offline_capture_beyond_the_byte_bound_is_refused(smollm2_llm, prompt_ids):
+    """The offline front door applies --max-capture-bytes-per-request's check, as the server does."""
+    from vllm_interp.capture.spec import CaptureSpecError
+    from vllm_interp.config import FrontendLimits
+
+    kept = smollm2_llm.frontend.limits
+    smollm2_llm.frontend.limits = FrontendLimits(max_capture_bytes_per_request=1 << 20)
+    try:
+        every_site = {"hooks": "all", "positions": "all"}  # 90 sites x 576 x 4 bytes = 207 KB per position
+        for prompt in ({"prompt_token_ids": prompt_ids[0]}, "The capital of France is"):
+            with pytest.raises(CaptureSpecError, match=r"capture.inline: up to \d+ bytes .* prompt length 5"):
+                smollm2_llm.generate(prompt, SamplingParams(max_tokens=8), readout=every_site)
+        one_site = {"hooks": {"post_block": [3]}, "positions": "all"}
+        assert smollm2_llm.generate("The capital of France is", SamplingParams(max_tokens=8),
+                                    readout=one_site)[0].residuals is not None
+    finally:
+        smollm2_llm.frontend.limits = kept

@@ -70,6 +70,8 @@ class SweepRequest(BaseModel):
     def _canonical_hooks(cls, value: Any) -> Any:
         """TransformerLens spellings (``hook_resid_post``) name the same hooks; grids use ours."""
         if isinstance(value, list):
+            if not value:
+                raise ValueError("name at least one hook (or leave hooks out for post_block)")
             return [canonical_hook(h) or h for h in value]
         return canonical_hook(value) or value
 
@@ -213,7 +215,7 @@ def _layers(request: SweepRequest, num_layers: int) -> list[int]:
 
 
 def plan_sweep(request: SweepRequest, *, tokenizer, num_layers: int, vocab: int, max_cells: int,
-               source_positions: list[int] | None = None) -> SweepPlan:
+               max_model_len: int, source_positions: list[int] | None = None) -> SweepPlan:
     """Check a sweep against the model and lay out its cells (``source_positions``: the positions a
     ``source_run`` holds)."""
     def tokens_of(prompt):
@@ -223,9 +225,14 @@ def plan_sweep(request: SweepRequest, *, tokenizer, num_layers: int, vocab: int,
     if not tokens:
         raise PatchError("prompt: empty")
     clean = tokens_of(request.clean_prompt) if request.clean_prompt is not None else None
+    if clean is not None and not clean:
+        raise PatchError("clean_prompt: empty")
     for name, ids in (("prompt", tokens), ("clean_prompt", clean or [])):
         if any(not 0 <= t < vocab for t in ids):
             raise PatchError(f"{name}: token ids out of range for this model (vocabulary {vocab})")
+        if len(ids) >= max_model_len:  # every run generates one token
+            raise PatchError(f"{name}: {len(ids)} tokens; this model takes at most {max_model_len - 1} with the "
+                             "token a sweep generates (--max-model-len)")
     answer = _single_token(tokenizer, request.answer_token, request.answer_token_id, "answer_token", vocab)
     foil = _single_token(tokenizer, request.foil_token, request.foil_token_id, "foil_token", vocab)
     if clean is not None:

@@ -2,9 +2,13 @@
 ``LLM.patch_sources`` and ``LLM.delete_patch_source``; deleting needs an API key when keys are configured,
 like /v1/steering) and ``POST /v1/patch_sweep`` (a causal-tracing sweep, as one JSON response or as
 server-sent events: ``start``, one ``cell`` per cell, ``summary``; a client that disconnects cancels the
-cells left)."""
+cells left).
+
+Run ids are keys of the workers' in-memory source stores (``vllm_interp.patching.sources``): no path is ever
+made of one. The sweep body is read through ``vllm_interp.server.bodies``; ``--max-sweep-cells`` bounds it."""
 
 import json
+import logging
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -15,9 +19,11 @@ from vllm_interp.frontend import RESULTS_RPC, SOURCES_RPC, InterpFrontend, combi
 from vllm_interp.patching.spec import PatchError
 from vllm_interp.patching.sweep import SweepRunner, parse_sweep_request, plan_sweep
 from vllm_interp.server.auth import require_key
+from vllm_interp.server.bodies import BodyError, limits_of, request_json
 from vllm_interp.server.protocol import error_body
 from vllm_interp.server.request_fields import field_error_response
 
+logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/patch_sources")
 sweep_router = APIRouter()
 
@@ -53,7 +59,7 @@ async def patch_sweep(request: Request) -> Any:
     if not frontend.patching:
         return _disabled()
     try:
-        body = parse_sweep_request(await request.json())
+        body = parse_sweep_request(await request_json(request))
         source_positions = None
         if body.source_run is not None:
             held = [rank.get(body.source_run) for rank in await engine.collective_rpc(SOURCES_RPC)]
@@ -61,12 +67,12 @@ async def patch_sweep(request: Request) -> Any:
                 raise PatchError(f"source_run: unknown source run {body.source_run!r}")
             source_positions = next(info for info in held if info)["positions"]
         plan = plan_sweep(body, tokenizer=engine.get_tokenizer(), num_layers=frontend.steering.shape.num_layers,
-                          vocab=engine.model_config.get_vocab_size(), max_cells=state.vllm_interp_max_sweep_cells,
-                          source_positions=source_positions)
+                          vocab=engine.model_config.get_vocab_size(), max_cells=limits_of(state).max_sweep_cells,
+                          max_model_len=engine.model_config.max_model_len, source_positions=source_positions)
+    except BodyError as exc:
+        return exc.response()
     except PatchError as exc:
         return field_error_response(exc)
-    except ValueError:
-        return JSONResponse(error_body("body: not JSON", param="body"), 400)
 
     async def generations() -> dict[str, str]:
         return combined_generations(await engine.collective_rpc(SOURCES_RPC))
@@ -86,6 +92,9 @@ async def patch_sweep(request: Request) -> Any:
                     yield {"event": kind, "data": json.dumps(data)}
             except PatchError as exc:
                 yield {"event": "error", "data": json.dumps(error_body(str(exc), param=str(exc).split(":", 1)[0]))}
+            except Exception as exc:  # the stream has begun: say so in it rather than cut the connection
+                logger.exception("patch sweep %s failed", runner.sweep_id)
+                yield {"event": "error", "data": json.dumps(error_body(f"the sweep failed: {exc}", code=500))}
         return EventSourceResponse(events())
     summary = None
     try:

@@ -10,7 +10,7 @@ from argparse import Namespace
 from fastapi import FastAPI
 from starlette.datastructures import State
 
-from vllm_interp.config import DEFAULT_MAX_SWEEP_CELLS, InterpConfig
+from vllm_interp.config import FrontendLimits, InterpConfig
 from vllm_interp.frontend import InterpFrontend
 from vllm_interp.server import patch_routes, steering_routes
 from vllm_interp.server.auth import configured_keys
@@ -36,7 +36,8 @@ class InterpEndpoints:
         config = InterpConfig.from_additional_config(vllm_config.additional_config) or InterpConfig()
         model_config = vllm_config.model_config
         shape = ModelShape(model_config.get_total_num_hidden_layers(), model_config.get_hidden_size())
-        frontend = InterpFrontend.for_engine(config, shape)
+        limits = FrontendLimits.from_args(args)
+        frontend = InterpFrontend.for_engine(config, shape, limits)
         for flag in getattr(args, "steering_vectors", None) or []:
             name, path = parse_named_file(flag)
             frontend.steering.register(name, load_named_file(path))
@@ -44,4 +45,5 @@ class InterpEndpoints:
         state.vllm_interp_num_layers = shape.num_layers
         state.vllm_interp_frontend = frontend
         state.vllm_interp_api_keys = configured_keys(getattr(args, "steering_api_key", None))
-        state.vllm_interp_max_sweep_cells = getattr(args, "max_sweep_cells", DEFAULT_MAX_SWEEP_CELLS)
+        state.vllm_interp_limits = limits
+        state.vllm_interp_max_model_len = model_config.max_model_len

@@ -14,6 +14,12 @@ class SteeringSetRequest(BaseModel):
     replace: bool = False
 
 
+class SteeringClearRequest(BaseModel):
+    """``/v1/steering/clear`` takes no fields: an empty body or ``{}``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
 class SteeringRegisterRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -48,5 +54,6 @@ STEERING_FIELDS = ("steering_vectors", "prefill_steering_vectors", "decode_steer
 
 def error_body(message: str, param: str | None = None, code: int = 400) -> dict[str, Any]:
     """The OpenAI error shape vLLM itself answers with."""
-    kinds = {400: "BadRequestError", 401: "Unauthorized", 404: "NotFoundError", 409: "ConflictError"}
+    kinds = {400: "BadRequestError", 401: "Unauthorized", 404: "NotFoundError", 409: "ConflictError",
+             413: "RequestEntityTooLargeError"}
     return {"error": {"message": message, "type": kinds.get(code, "Error"), "param": param, "code": code}}

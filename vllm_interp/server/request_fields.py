@@ -17,6 +17,11 @@ need the request's final length, which only vLLM's usage chunk tells, so vLLM is
 when the client did not ask for it, it is taken out again (its ``system_fingerprint`` going to the chunk
 that finished the choice, where vLLM puts it without usage) and the results ride on the finishing chunk.
 Events pass through as they come, except one that may be the last (see ``_ResultStream``).
+
+Every body on these paths is parsed by ``vllm_interp.server.bodies`` (a body that is not JSON, or nested too
+deeply, is a 400 naming ``body``, never a 500); one that carries our fields is held to
+``--max-interp-body-bytes`` (413), and a capture to ``--max-capture-bytes-per-request``
+(``vllm_interp.capture.limits``).
 """
 
 import json
@@ -27,8 +32,9 @@ from pydantic import ValidationError
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from vllm_interp.capture.limits import check_capture_bytes
 from vllm_interp.capture.results import ConsumerResult, result_to_json
-from vllm_interp.capture.spec import CaptureSpecError, validate_capture_spec
+from vllm_interp.capture.spec import CaptureSpec, CaptureSpecError, validate_capture_spec
 from vllm_interp.frontend import (
     RESULTS_RPC,
     SOURCES_RPC,
@@ -41,10 +47,13 @@ from vllm_interp.patching.spec import FIELD as PATCH_FIELD
 from vllm_interp.patching.spec import PatchError, PatchSpec
 from vllm_interp.patching.tables import PATCH_RESULT
 from vllm_interp.request_args import EXTRA_ARGS_KEY
+from vllm_interp.server.bodies import BodyError, limits_of, parse_json, too_large
 from vllm_interp.server.protocol import STEERING_FIELDS, InterpRequestFields, error_body
 from vllm_interp.steering.vectors import SteeringError
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+# Our own routes read their bodies themselves.
+OWN_PREFIXES = ("/v1/steering", "/v1/patch_sweep", "/v1/patch_sources")
 FIELDS = tuple(InterpRequestFields.model_fields)
 EVENT_END = b"\n\n"
 DONE_EVENT = b"data: [DONE]"
@@ -76,8 +85,11 @@ class RequestFieldsMiddleware:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in GENERATION_PATHS:
+        if scope["type"] != "http" or scope["method"] != "POST":
             await self.app(scope, receive, send)
+            return
+        if scope["path"] not in GENERATION_PATHS:
+            await self._elsewhere(scope, receive, send)
             return
         body = await _read_body(receive)
         rewritten = await self._rewrite(scope, body)
@@ -97,20 +109,47 @@ class RequestFieldsMiddleware:
             await self.app(app_scope, app_receive, response.send)
             await response.replay(send, *await self._results_for(scope, response, prepared))
 
+    async def _elsewhere(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """vLLM's other JSON endpoints (``/v1/chat/completions/batch``, ``/v1/responses``, ...) would ignore our
+        fields: a body carrying one is refused, naming it, rather than served unsteered or uncaptured."""
+        content_type = (_header(scope, b"content-type") or "application/json").split(";", 1)[0].strip().lower()
+        if scope["path"].startswith(OWN_PREFIXES) or content_type != "application/json":
+            await self.app(scope, receive, send)
+            return
+        body = await _read_body(receive)
+        try:
+            data = parse_json(body, content_type)
+        except BodyError:
+            data = None  # vLLM answers for its own endpoint
+        ours = sorted(set(data) & set(FIELDS)) if isinstance(data, dict) else []
+        xargs = data.get("vllm_xargs") if isinstance(data, dict) else None
+        if isinstance(xargs, dict) and EXTRA_ARGS_KEY in xargs:
+            ours = [f"vllm_xargs.{EXTRA_ARGS_KEY}"]
+        if ours:
+            await _bad_request(ours[0], f"vllm-interp fields are taken on {' and '.join(sorted(GENERATION_PATHS))} "
+                               f"only, not on {scope['path']}")(scope, receive, send)
+            return
+        await self.app(_with_length(scope, len(body)), _replay(body, receive), send)
+
     async def _rewrite(self, scope: Scope, body: bytes) -> _Rewritten | JSONResponse:
         state = scope["app"].state
         frontend: InterpFrontend | None = getattr(state, "vllm_interp_frontend", None)
         try:
-            data = json.loads(body)
-        except ValueError:
-            return _Rewritten(body)  # not JSON: vLLM answers with its own error
-        if not isinstance(data, dict) or frontend is None:
+            data = parse_json(body, _header(scope, b"content-type"))
+        except BodyError as exc:
+            return exc.response()
+        if not isinstance(data, dict):
+            return _bad_request("body", "expected a JSON object")
+        if frontend is None:
             return _Rewritten(body)
         xargs = data.get("vllm_xargs")
         if isinstance(xargs, dict) and EXTRA_ARGS_KEY in xargs:
             # Only this middleware writes the normalised payload; a client-made one would skip validation.
             return _bad_request(f"vllm_xargs.{EXTRA_ARGS_KEY}", "reserved for vllm-interp; use its request fields")
         fields = {name: data.pop(name) for name in FIELDS if name in data}
+        max_bytes = limits_of(state).max_interp_body_bytes
+        if fields and len(body) > max_bytes:
+            return too_large(max_bytes).response()
         try:
             InterpRequestFields.model_validate(fields)
             capture = self._capture_spec(state, data, fields.get("capture"))
@@ -143,6 +182,7 @@ class RequestFieldsMiddleware:
         if _several_prompts(data):
             raise CaptureSpecError("capture: one prompt per request with capture (results are per request); "
                                    "send the prompts as separate requests")
+        check_capture_size(state, spec, data.get("prompt"), _max_tokens(data))
         return spec
 
     @staticmethod
@@ -205,6 +245,35 @@ async def _collect(state: Any, prepared: PreparedRequest,
     patch = results.pop(PATCH_RESULT, None)
     return {name: result_to_json(result, frontend.consumers[name].result_to_json)
             for name, result in results.items()}, patch
+
+
+def check_capture_size(state: Any, spec: CaptureSpec, prompt: Any, max_tokens: int | None,
+                       field: str = "capture") -> None:
+    """``--max-capture-bytes-per-request`` for one request: the sequence is bounded by max_model_len,
+    ``max_tokens`` and the prompt's length when it is known, a token-id prompt's, or a text prompt's once
+    tokenized. Without a prompt (chat) the prompt counts as max_model_len tokens: its template is vLLM's."""
+    max_model_len = getattr(state, "vllm_interp_max_model_len", None)
+    if max_model_len is None:
+        return  # an app state init_state did not set up has no model to bound the sequence by
+    shape = state.vllm_interp_frontend.steering.shape
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    token_ids = isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
+
+    def count_prompt() -> int:
+        return len(state.engine_client.get_tokenizer().encode(prompt))
+
+    check_capture_bytes(spec, num_layers=shape.num_layers, hidden_size=shape.hidden_size, max_tokens=max_tokens,
+                        max_model_len=max_model_len, limit=limits_of(state).max_capture_bytes_per_request,
+                        prompt_len=len(prompt) if token_ids else None,
+                        count_prompt=count_prompt if isinstance(prompt, str) else None, field=field)
+
+
+def _max_tokens(data: dict[str, Any]) -> int | None:
+    """The most tokens the body lets vLLM generate, when it says (the larger of its two spellings)."""
+    given = [v for v in (data.get("max_tokens"), data.get("max_completion_tokens"))
+             if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
+    return max(given, default=None)
 
 
 def _several_prompts(data: dict[str, Any]) -> bool:
@@ -374,6 +443,11 @@ def _replay(body: bytes, receive: Receive) -> Receive:
         return await receive()
 
     return replay
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    value = next((v for k, v in scope["headers"] if k.lower() == name), None)
+    return value.decode("latin-1") if value is not None else None
 
 
 def _with_length(scope: Scope, length: int) -> Scope:

@@ -8,11 +8,16 @@ import argparse
 import os
 
 from vllm_interp.config import (
+    DEFAULT_MAX_CAPTURE_BYTES_PER_REQUEST,
+    DEFAULT_MAX_INTERP_BODY_BYTES,
+    DEFAULT_MAX_NAMED_VECTORS,
     DEFAULT_MAX_PATCH_ROWS,
     DEFAULT_MAX_STEERING_CONFIGS,
+    DEFAULT_MAX_STEERING_SITES_PER_REQUEST,
     DEFAULT_MAX_SWEEP_CELLS,
     DEFAULT_PATCH_SOURCE_BYTES,
     OVERLOAD_POLICIES,
+    FrontendLimits,
     InterpConfig,
 )
 from vllm_interp.default_model import resolve_model
@@ -47,7 +52,14 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument("--steering-vectors", action="append", default=[], metavar="NAME=PATH",
                        help="Register named steering vectors at start-up (.safetensors or .json; repeatable).")
     group.add_argument("--steering-api-key", action="append", default=[], metavar="KEY",
-                       help=f"Key required by mutating /v1/steering endpoints (repeatable; or ${API_KEY_ENV}).")
+                       help="Key required by every mutating endpoint of ours: /v1/steering/set, clear, "
+                       "vectors/register, vectors/unregister, vectors/contrastive with a name, DELETE "
+                       f"/v1/patch_sources/ID (repeatable; or ${API_KEY_ENV}, comma-separated).")
+    group.add_argument("--max-steering-sites-per-request", type=int, default=DEFAULT_MAX_STEERING_SITES_PER_REQUEST,
+                       help="Site vectors one request may steer with, all tiers and its named vectors together "
+                       "(also bounds a named entry and the global vectors).")
+    group.add_argument("--max-named-vectors", type=int, default=DEFAULT_MAX_NAMED_VECTORS,
+                       help="Named steering entries the server keeps.")
     group.add_argument("--enable-patching", action="store_true",
                        help="Activation patching (the patch field on completions, /v1/patch_sources, the patch_source "
                        "capture consumer).")
@@ -73,13 +85,21 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument("--capture-overload-policy", choices=OVERLOAD_POLICIES, default="block",
                        help="What a consumer whose queue is full does with more rows: wait (block), drop them "
                        "(reported in the request's result) or park them on disk (spill).")
+    group.add_argument("--max-capture-bytes-per-request", type=int, default=DEFAULT_MAX_CAPTURE_BYTES_PER_REQUEST,
+                       help="Worst-case bytes of the rows one request's capture may select (positions x sites x "
+                       "hidden x 4, all consumers together); larger specs are refused with a 400.")
+    group.add_argument("--max-interp-body-bytes", type=int, default=DEFAULT_MAX_INTERP_BODY_BYTES,
+                       help="Bytes of a request body carrying vllm-interp fields (steering, capture, patch), or sent "
+                       "to a vllm-interp route; larger bodies get a 413.")
 
 
 def serve(command, args: argparse.Namespace) -> None:
-    args.model = resolve_model(args.model_tag or args.model)
-    args.model_tag = None
+    limits = FrontendLimits.from_args(args)
     for flag in args.steering_vectors:
         parse_named_file(flag)
+    if len(args.steering_vectors) > limits.max_named_vectors:
+        raise ValueError(f"--steering-vectors: {len(args.steering_vectors)} named entries, more than "
+                         f"--max-named-vectors {limits.max_named_vectors}")
     config = InterpConfig(
         enable_steering=args.enable_steering,
         max_steering_configs=args.max_steering_configs,
@@ -92,6 +112,10 @@ def serve(command, args: argparse.Namespace) -> None:
         saes=tuple(args.sae),
     )
     if config.hooks_needed:
+        _refuse_several_api_servers(args)
+    args.model = resolve_model(args.model_tag or args.model)
+    args.model_tag = None
+    if config.hooks_needed:
         check_model_architecture(args.model, model_impl=args.model_impl, trust_remote_code=args.trust_remote_code)
     args.worker_cls, args.additional_config = interp_engine_args(
         config, worker_cls=args.worker_cls, additional_config=args.additional_config
@@ -99,6 +123,33 @@ def serve(command, args: argparse.Namespace) -> None:
     _allow_endpoint_plugin()
     command.validate(args)
     command.cmd(args)
+
+
+def _refuse_several_api_servers(args: argparse.Namespace) -> None:
+    """Global steering, named vectors and the patch-source bookkeeping live in the API-server process: several
+    API servers would each keep their own copy, and a request would see whichever its server holds."""
+    count = _api_servers(args)
+    if count > 1:
+        raise ValueError(
+            f"vllm-interp features need a single API server, but these flags start {count} (--api-server-count, or "
+            "data parallelism's default of one per rank): each would keep its own global steering and named "
+            "vectors. Pass --api-server-count 1 (--data-parallel-multi-port-external-lb always starts several)"
+        )
+
+
+def _api_servers(args: argparse.Namespace) -> int:
+    """How many API-server processes ``vllm serve`` starts for these flags: ``--api-server-count`` when given;
+    else, with data parallelism, one per rank it balances (all ranks, the local ones in hybrid mode, one per
+    local rank under --data-parallel-multi-port-external-lb), and one for an externally balanced rank."""
+    if args.data_parallel_multi_port_external_lb:
+        return args.data_parallel_size_local or 1  # one server per local rank, whatever --api-server-count says
+    if args.api_server_count is not None:
+        return args.api_server_count
+    if args.headless or args.data_parallel_external_lb or args.data_parallel_rank is not None:
+        return 1
+    if args.data_parallel_hybrid_lb or args.data_parallel_start_rank is not None:
+        return args.data_parallel_size_local or 1
+    return args.data_parallel_size
 
 
 def _allow_endpoint_plugin() -> None:

@@ -1,5 +1,8 @@
 """/v1/steering/*: global steering, named vectors and contrastive vectors over HTTP (the twins of
-vllm_interp.LLM's methods)."""
+vllm_interp.LLM's methods).
+
+Every mutating endpoint (set, clear, vectors/register, vectors/unregister, vectors/contrastive with ``name``)
+checks the API key before anything else it can; bodies are read through ``vllm_interp.server.bodies``."""
 
 import asyncio
 from typing import Any
@@ -11,18 +14,20 @@ from pydantic import BaseModel, ValidationError
 from vllm import SamplingParams
 
 from vllm_interp.capture.consumers.inline import ResidualReadout
-from vllm_interp.capture.spec import validate_capture_spec
+from vllm_interp.capture.spec import CaptureSpecError, validate_capture_spec
 from vllm_interp.frontend import RESULTS_RPC, InterpFrontend, collect_results_async
 from vllm_interp.hooks import HOOKS
 from vllm_interp.request_args import EXTRA_ARGS_KEY
 from vllm_interp.server.auth import require_key
+from vllm_interp.server.bodies import BodyError, request_json
 from vllm_interp.server.protocol import (
+    SteeringClearRequest,
     SteeringRegisterRequest,
     SteeringSetRequest,
     SteeringUnregisterRequest,
     error_body,
 )
-from vllm_interp.server.request_fields import field_error_response
+from vllm_interp.server.request_fields import check_capture_size, field_error_response
 from vllm_interp.steering.contrastive import ContrastiveRequest, contrastive_vectors, validate_contrastive
 from vllm_interp.steering.state import SteeringState
 from vllm_interp.steering.vectors import SteeringError, SteeringVectors
@@ -35,12 +40,17 @@ def _state(request: Request) -> SteeringState:
 
 
 async def _body(request: Request, model: type[BaseModel]) -> BaseModel:
+    """The body as ``model``; an empty body only where the model has no fields."""
+    raw = await request_json(request)
+    if raw is None and not model.model_fields:
+        raw = {}
     try:
-        return model.model_validate(await request.json())
-    except ValueError as exc:
-        errors = exc.errors() if isinstance(exc, ValidationError) else [{"loc": (), "msg": "body is not JSON"}]
-        param = ".".join(map(str, errors[0]["loc"])) or "body"
-        raise _BadRequest(JSONResponse(error_body(f"{param}: {errors[0]['msg']}", param=param), 400)) from None
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(map(str, first["loc"])) or "body"
+        message = "expected a JSON object, got an empty body" if raw is None else first["msg"]
+        raise _BadRequest(JSONResponse(error_body(f"{param}: {message}", param=param), 400)) from None
 
 
 class _BadRequest(Exception):
@@ -48,12 +58,13 @@ class _BadRequest(Exception):
         self.response = response
 
 
-async def _mutating(request: Request, model: type[BaseModel] | None, action) -> Any:
+async def _mutating(request: Request, model: type[BaseModel], action) -> Any:
     """Shared shape of every mutating endpoint: key check, body validation, action, errors as 400."""
     require_key(request, request.app.state.vllm_interp_api_keys)
     try:
-        body = await _body(request, model) if model is not None else None
-        return await action(body)
+        return await action(await _body(request, model))
+    except BodyError as exc:
+        return exc.response()
     except _BadRequest as exc:
         return exc.response
     except SteeringError as exc:
@@ -94,7 +105,7 @@ async def clear_steering(request: Request) -> Any:
     async def action(_body):
         return await _push_global(request, _state(request).plan_clear())
 
-    return await _mutating(request, None, action)
+    return await _mutating(request, SteeringClearRequest, action)
 
 
 @router.get("/vectors")
@@ -127,17 +138,19 @@ async def contrastive_vector(request: Request) -> Any:
     state = request.app.state
     frontend: InterpFrontend = state.vllm_interp_frontend
     try:
-        raw = await request.json()
-    except ValueError:
-        return JSONResponse(error_body("body: not JSON", param="body"), 400)
+        raw = await request_json(request)
+    except BodyError as exc:
+        return exc.response()
     if isinstance(raw, dict) and raw.get("name") is not None:
         require_key(request, state.vllm_interp_api_keys)
     try:
         body = validate_contrastive(raw, shape=frontend.steering.shape, consumers=list(frontend.consumers))
+        if body.name is not None:
+            frontend.steering.check_room(body.name)  # before the prompts run, not after
         result = contrastive_vectors(body, await _readouts(state, body), frontend.steering.shape.num_layers)
         if body.name is not None:
             frontend.steering.register(body.name, {"vectors": result.steering_spec()})
-    except SteeringError as exc:
+    except (SteeringError, CaptureSpecError) as exc:
         return field_error_response(exc)
     return result.to_json()
 
@@ -148,6 +161,13 @@ async def _readouts(state: Any, body: ContrastiveRequest) -> list[ResidualReadou
     engine = state.engine_client
     spec = validate_capture_spec(body.capture_spec(frontend.steering.shape.num_layers),
                                  num_layers=frontend.steering.shape.num_layers, consumers=frontend.consumers)
+    tokenizer, max_model_len = engine.get_tokenizer(), engine.model_config.max_model_len
+    for side in ("positive", "negative"):
+        for i, prompt in enumerate(getattr(body, side)):
+            if (count := len(tokenizer.encode(prompt))) >= max_model_len:  # each prompt generates one token
+                raise SteeringError(f"{side}.{i}: {count} tokens; this model takes at most {max_model_len - 1} "
+                                    "(--max-model-len)")
+            check_capture_size(state, spec, prompt, max_tokens=1, field=f"{side}.{i}")
     prepared = [frontend.prepare({}, spec, None, collect=True) for _ in body.prompts]
     batch = uuid4().hex[:12]
 

@@ -10,12 +10,18 @@ from pathlib import Path
 from typing import Any
 
 from vllm_interp.hooks import parse_site_name
+from vllm_interp.steering.state import check_vector_name
+from vllm_interp.steering.vectors import SteeringError
 
 
 def parse_named_file(flag: str) -> tuple[str, Path]:
     name, sep, path = flag.partition("=")
     if not sep or not name or not path:
         raise ValueError(f"--steering-vectors {flag!r}: expected NAME=PATH")
+    try:
+        check_vector_name(name, "NAME")
+    except SteeringError as exc:
+        raise ValueError(f"--steering-vectors {exc}") from None
     if not Path(path).is_file():
         raise ValueError(f"--steering-vectors {flag!r}: no such file {path}")
     return name, Path(path)

@@ -33,6 +33,9 @@ REQUEST_FIELDS: dict[Tier, str] = {
 }
 
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)  # a Python float: compares with any int without overflow
+
+
 class SteeringError(ValueError):
     """A steering spec the engine cannot apply; the message starts with the offending field."""
 
@@ -48,7 +51,8 @@ class PackedVectors(BaseModel):
 
 
 class ScaledVector(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Strict: a numeric string or a boolean is an error, not a number (an integer is fine).
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     vector: list[float]
     scale: float = 1.0
@@ -132,6 +136,8 @@ def _decode_packed(packed: PackedVectors, where: str, shape: ModelShape) -> dict
         raise SteeringError(f"{where}.shape: hidden size {width} != model hidden size {shape.hidden_size}")
     if rows != len(packed.layers):
         raise SteeringError(f"{where}.shape: {rows} rows for {len(packed.layers)} layers")
+    if len(set(packed.layers)) != len(packed.layers):
+        raise SteeringError(f"{where}.layers: must not repeat a layer")
     if packed.scales is not None and len(packed.scales) != rows:
         raise SteeringError(f"{where}.scales: {len(packed.scales)} scales for {rows} rows")
     try:
@@ -156,7 +162,7 @@ def _float_list(raw: Any) -> np.ndarray | None:
         return None
     try:
         array = np.asarray(raw, dtype=np.float32)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # an integer beyond any float: pydantic names it
         return None
     return array if array.ndim == 1 else None
 
@@ -166,7 +172,8 @@ def entry_vector(raw: Any, where: str) -> np.ndarray:
         return array
     if isinstance(raw, dict) and set(raw) <= {"vector", "scale"}:
         array, scale = _float_list(raw.get("vector")), raw.get("scale", 1.0)
-        if array is not None and isinstance(scale, int | float) and not isinstance(scale, bool):
+        if array is not None and isinstance(scale, float | int) and not isinstance(scale, bool) \
+                and abs(scale) <= FLOAT32_MAX:
             return array * np.float32(scale)
     try:
         if isinstance(raw, dict):

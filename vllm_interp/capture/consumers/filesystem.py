@@ -132,6 +132,11 @@ class FilesystemConsumer(CaptureConsumer):
     def _check_placement(self, base: str, layout: str) -> None:
         _check_inside(self.root, base)
         if layout == "sharded":
+            # The base only names tensors; the files written are the shard directory's, which a link placed
+            # there must not carry out of root (the index is appended to in place, so it must not be a link).
+            shards = self.root / SHARD_DIR
+            if not shards.resolve().is_relative_to(self.root.resolve()) or (shards / INDEX_NAME).is_symlink():
+                raise ValueError(f"root: {shards} or its {INDEX_NAME} is a link leading outside the capture root")
             return
         segments = base.split("/")
         if segments[0] == SHARD_DIR:
