@@ -19,7 +19,7 @@ def _models(args: argparse.Namespace) -> None:
 def _demo(args: argparse.Namespace) -> None:
     from vllm_interp.demo import run_demo
 
-    run_demo(model=args.model, prompt=args.prompt, max_tokens=args.max_tokens, out=args.out)
+    run_demo(model=args.model, prompt=args.prompt, max_tokens=args.max_tokens, out=args.terminal)
 
 
 def _export_saelens(args: argparse.Namespace) -> None:
@@ -99,7 +99,7 @@ def _run(argv: list[str], out: TextIO) -> None:
 
     cli_env_setup()
     args = build_parser().parse_args(argv)
-    args.out = out
+    args.terminal = out
     args.dispatch_function(args)
 
 
