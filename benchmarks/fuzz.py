@@ -18,6 +18,8 @@ import argparse
 import json
 import os
 import shutil
+import signal
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -130,10 +132,10 @@ def fuzz(server: Server, cases: int, seed: int, max_restarts: int) -> dict[str, 
     stream = fuzzing.BackgroundStream(server.url)
     stream.start()
     deaths: list[str] = []
-    started, done = time.monotonic(), [0]
+    started, done = time.monotonic(), 0
 
     def one(case: fuzzing.Case) -> None:
-        nonlocal fuzzer, stream
+        nonlocal fuzzer, stream, done
         try:
             fuzzer.run(case)
         except fuzzing.ServerDied as died:
@@ -148,10 +150,10 @@ def fuzz(server: Server, cases: int, seed: int, max_restarts: int) -> dict[str, 
             fuzzer.prepare()
             stream = fuzzing.BackgroundStream(server.url)
             stream.start()
-        done[0] += 1
-        if done[0] % 500 == 0:
+        done += 1
+        if done % 500 == 0:
             t = fuzzer.tally
-            print(f"{done[0]} cases, {time.monotonic() - started:.0f} s, {len(t.failures)} failures, "
+            print(f"{done} cases, {time.monotonic() - started:.0f} s, {len(t.failures)} failures, "
                   f"RSS {server.rss_mib():.0f} MiB, statuses {dict(sorted(t.statuses.items(), key=str))}", flush=True)
 
     for i, (family, strategy) in enumerate(fuzzing.families(CONSUMERS).items()):
@@ -172,6 +174,8 @@ def main() -> None:
     parser.add_argument("--restarts", type=int, default=5, help="server restarts after deaths before giving up")
     parser.add_argument("--out", type=Path, default=None, help="write the figures and every failure as JSON here")
     args = parser.parse_args()
+    # A SIGTERM (a timeout) unwinds like an exception, so that the server is stopped with us.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     base = Path(tempfile.mkdtemp(prefix="vllm-interp-fuzz-"))
     server = Server(base)

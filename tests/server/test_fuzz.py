@@ -22,7 +22,8 @@ from tests.server import fuzzing
 CONSUMERS = ("inline", "filesystem", "activation_stats", "sae_features", "patch_source")
 DISABLED = ("logging",)
 
-# Examples per family: 630 cases, about 100 s on the 2-core CI machine (generation and sweeps take the time).
+# Examples per family: 630 cases, about 50 s on the 2-core CI machine after the server's start (generation and
+# sweeps take the time).
 EXAMPLES = {"generation": 300, "steering_routes": 150, "patch_routes": 100, "raw_bodies": 80}
 
 

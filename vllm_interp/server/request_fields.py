@@ -121,6 +121,9 @@ class RequestFieldsMiddleware:
             data = parse_json(body, content_type)
         except BodyError:
             data = None  # vLLM answers for its own endpoint
+        if body.strip() and not isinstance(data, dict):  # vLLM's own validators fail on some with a 500
+            await _bad_request("body", "expected a JSON object")(scope, receive, send)
+            return
         ours = sorted(set(data) & set(FIELDS)) if isinstance(data, dict) else []
         xargs = data.get("vllm_xargs") if isinstance(data, dict) else None
         if isinstance(xargs, dict) and EXTRA_ARGS_KEY in xargs:
