@@ -11,8 +11,10 @@ from tests.conftest import HIDDEN, SAE_FEATURES, SAE_LAYER, SAE_NAME
 from tests.steering.common import assert_matches_reference, greedy, tokens_and_logprobs
 from vllm_interp import steered_params
 from vllm_interp.capture.spec import CaptureSpecError
+from vllm_interp.config import InterpConfig
+from vllm_interp.frontend import InterpFrontend
 from vllm_interp.sae import SaeError, load_sae
-from vllm_interp.steering.vectors import SteeringError
+from vllm_interp.steering.vectors import ModelShape, SteeringError
 
 D_IN, D_SAE = 8, 12
 
@@ -78,6 +80,22 @@ def test_an_sae_of_another_width_is_refused(tmp_path):
         load_sae("s", tmp_path, num_layers=4, hidden_size=D_IN + 1)
     with pytest.raises(SaeError, match="cannot read"):
         load_sae("s", tmp_path / "missing", num_layers=4, hidden_size=D_IN)
+
+
+def test_engines_in_one_process_validate_against_their_own_saes(tmp_path):
+    """Two engines' frontends in one process (offline users and tests build several): a later one without
+    SAEs leaves the earlier one's sae_features requests valid, and the later one refuses them."""
+    write_sae(tmp_path)
+    shape = ModelShape(num_layers=4, hidden_size=D_IN)
+    with_sae = InterpFrontend.for_engine(
+        InterpConfig(capture_consumers=("sae_features",), saes=(f"s={tmp_path}",)), shape)
+    without = InterpFrontend.for_engine(InterpConfig(capture_consumers=("sae_features",)), shape)
+    spec = with_sae.validate_capture({"sae_features": {"k": 2}})
+    assert spec["sae_features"].hooks == {"post_attn": [1]}
+    with pytest.raises(CaptureSpecError, match="loaded: none"):
+        without.validate_capture({"sae_features": {"k": 2}})
+    # k: the default 16, capped at the SAE's width
+    assert with_sae.validate_capture({"sae_features": {"sae": "s"}})["sae_features"].options == {"sae": "s", "k": D_SAE}
 
 
 def _sae_weights(test_sae):

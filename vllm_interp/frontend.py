@@ -16,14 +16,14 @@ from dataclasses import dataclass
 from typing import Any
 from uuid import uuid4
 
-from vllm_interp.capture.consumer import CaptureConsumer
+from vllm_interp.capture.consumer import CaptureConsumer, EngineFacts
 from vllm_interp.capture.plugins import consumer_class
 from vllm_interp.capture.results import ConsumerResult, ResultCollector
-from vllm_interp.capture.spec import CaptureSpec, spec_to_wire
+from vllm_interp.capture.spec import CaptureSpec, spec_to_wire, validate_capture_spec
 from vllm_interp.config import FrontendLimits, InterpConfig
 from vllm_interp.patching.spec import PatchSpec, validate_patch
 from vllm_interp.patching.tables import PATCH_RESULT
-from vllm_interp.sae import activate_saes
+from vllm_interp.sae import load_saes
 from vllm_interp.steering.state import SteeringState
 from vllm_interp.steering.vectors import ModelShape, SteeringVectors
 
@@ -89,7 +89,7 @@ class InterpFrontend:
         """The frontend of an engine started with ``config`` on a model of ``shape``, admitting requests
         within ``limits`` (default: the defaults of every ``--max-*`` flag)."""
         limits = limits or FrontendLimits()
-        saes = activate_saes(config.saes, num_layers=shape.num_layers, hidden_size=shape.hidden_size)
+        saes = load_saes(config.saes, num_layers=shape.num_layers, hidden_size=shape.hidden_size)
         return cls(SteeringState(shape, enabled=config.enable_steering, saes=saes, limits=limits),
                    {name: consumer_class(name) for name in config.consumer_names},
                    patching=config.enable_patching, max_patch_rows=config.max_patch_rows, limits=limits)
@@ -103,6 +103,11 @@ class InterpFrontend:
         self.max_patch_rows = max_patch_rows
         # Merging a request's results needs each name's class; a patch status has no payload to merge.
         self.result_classes = {**self.consumers, PATCH_RESULT: CaptureConsumer}
+        self.engine = EngineFacts(steering.shape.num_layers, steering.saes)
+
+    def validate_capture(self, raw: Any, field: str = "capture") -> CaptureSpec:
+        """A request's capture spec, checked against this engine (errors name ``field``)."""
+        return validate_capture_spec(raw, engine=self.engine, consumers=self.consumers, field=field)
 
     def validate_patch(self, raw: Any, run_generation: Callable[[str], str | None]) -> PatchSpec | None:
         return validate_patch(raw, shape=self.steering.shape, enabled=self.patching,

@@ -9,7 +9,7 @@ from vllm import RequestOutput, SamplingParams
 
 from vllm_interp.capture.consumers.inline import ResidualReadout
 from vllm_interp.capture.limits import check_capture_bytes
-from vllm_interp.capture.spec import CaptureSpec, validate_capture_spec
+from vllm_interp.capture.spec import CaptureSpec
 from vllm_interp.compat import check_vllm_version
 from vllm_interp.config import DEFAULT_MAX_PATCH_ROWS, DEFAULT_MAX_STEERING_CONFIGS, FrontendLimits, InterpConfig
 from vllm_interp.default_model import resolve_model
@@ -202,7 +202,7 @@ class LLM(vllm.LLM):
         validated: dict[int, CaptureSpec] = {}
         for spec in specs:
             if spec is not None and id(spec) not in validated:
-                validated[id(spec)] = validate_capture_spec(spec, num_layers=self.num_layers, consumers=self._consumers)
+                validated[id(spec)] = self.frontend.validate_capture(spec)
         return [None if spec is None else validated[id(spec)] for spec in specs]
 
     def _prepare(self, count: int, sampling_params: Any, captures: list[CaptureSpec | None],

@@ -10,7 +10,8 @@ configure beyond that (activation normalisation, per-head hooks, other architect
 with the field named, never applied approximately.
 
 Both the frontend (steering entries resolve to ``scale * W_dec[feature]`` there) and every worker (for
-``sae_features``) load the SAEs at start-up (``activate_saes``).
+``sae_features``) load the SAEs at start-up (``load_saes``); they reach requests' validation through
+``EngineFacts``, never through process state (several engines may share a process).
 """
 
 import json
@@ -143,23 +144,12 @@ def _load_cached(name: str, directory: str, num_layers: int, hidden_size: int) -
     return load_sae(name, directory, num_layers=num_layers, hidden_size=hidden_size)
 
 
-# The SAEs of the engine this process serves (its frontend or its worker): the request validators of
-# steering entries and of the sae_features consumer read them.
-_ACTIVE: dict[str, SparseAutoencoder] = {}
-
-
-def activate_saes(flags: tuple[str, ...], *, num_layers: int, hidden_size: int) -> dict[str, SparseAutoencoder]:
-    """Load the ``--sae`` flags' SAEs (each directory read once per process) and make them this process's."""
+def load_saes(flags: tuple[str, ...], *, num_layers: int, hidden_size: int) -> dict[str, SparseAutoencoder]:
+    """The ``--sae`` flags' SAEs by name (each directory read once per process)."""
     saes: dict[str, SparseAutoencoder] = {}
     for flag in flags:
         name, directory = parse_sae_flag(flag)
         if name in saes:
             raise SaeError(f"--sae {name}: given twice")
         saes[name] = _load_cached(name, directory, num_layers, hidden_size)
-    _ACTIVE.clear()
-    _ACTIVE.update(saes)
     return saes
-
-
-def active_saes() -> Mapping[str, SparseAutoencoder]:
-    return _ACTIVE

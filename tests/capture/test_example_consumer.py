@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_interp.capture.consumer import CaptureMeta, ConsumerContext, RequestCapture
+from vllm_interp.capture.consumer import CaptureMeta, ConsumerContext, EngineFacts, RequestCapture
 
 PACKAGE = Path(__file__).resolve().parents[2] / "examples" / "capture_consumers" / "activation_stats"
 SITES = ["3.post_block", "7.post_block"]
@@ -48,7 +48,7 @@ def run(consumer_cls, path: Path, *captures: RequestCapture) -> list[dict]:
 def test_appends_one_line_per_request(consumer_cls, tmp_path):
     path = tmp_path / "stats.jsonl"
     path.write_text('{"earlier": true}\n')
-    capture = make_capture([2, 3], note=consumer_cls.validate_options({"note": "hello"})["note"])
+    capture = make_capture([2, 3], note=consumer_cls.validate_options({"note": "hello"}, EngineFacts(8))["note"])
     results = run(consumer_cls, path, capture, make_capture([]))
     assert results == [{"written": str(path), "sites": 2}] * 2
 
@@ -79,9 +79,9 @@ def test_bad_engine_options_name_the_option(consumer_cls, options, field):
 )
 def test_bad_request_options_name_the_option(consumer_cls, options, field):
     with pytest.raises(ValueError, match=f"^{field}: "):
-        consumer_cls.validate_options(options)
+        consumer_cls.validate_options(options, EngineFacts(8))
 
 
 def test_note_is_optional(consumer_cls):
-    assert consumer_cls.validate_options({}) == {}
-    assert consumer_cls.validate_options({"note": "x" * 200}) == {"note": "x" * 200}
+    assert consumer_cls.validate_options({}, EngineFacts(8)) == {}
+    assert consumer_cls.validate_options({"note": "x" * 200}, EngineFacts(8)) == {"note": "x" * 200}

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from vllm_interp.capture.consumer import CaptureMeta, ConsumerContext, RequestCapture
+from vllm_interp.capture.consumer import CaptureMeta, ConsumerContext, EngineFacts, RequestCapture
 from vllm_interp.capture.consumers import filesystem
 from vllm_interp.capture.consumers.filesystem import FilesystemConsumer, list_captures, read_capture
 from vllm_interp.capture.spec import CaptureSpecError, validate_capture_spec
@@ -295,17 +295,17 @@ def test_engine_option_errors_name_the_option(tmp_path, options, option):
 )
 def test_request_option_errors_name_the_option(options, option):
     with pytest.raises(ValueError, match=f"^{option}: "):
-        FilesystemConsumer.validate_options(options)
+        FilesystemConsumer.validate_options(options, EngineFacts(8))
     spec = {"filesystem": {"hooks": {"post_block": [1]}, **options}}
     with pytest.raises(CaptureSpecError, match=f"^capture.filesystem.{option}: "):
-        validate_capture_spec(spec, num_layers=8, consumers={"filesystem": FilesystemConsumer})
+        validate_capture_spec(spec, engine=EngineFacts(8), consumers={"filesystem": FilesystemConsumer})
 
 
 def test_request_options_pass_validation():
     options = {"layout": "sharded", "on_collision": "suffix"}
-    assert FilesystemConsumer.validate_options(options) == options
+    assert FilesystemConsumer.validate_options(options, EngineFacts(8)) == options
     raw = {"filesystem": {"hooks": {"post_block": [1]}, **options}}
-    spec = validate_capture_spec(raw, num_layers=8, consumers={"filesystem": FilesystemConsumer})
+    spec = validate_capture_spec(raw, engine=EngineFacts(8), consumers={"filesystem": FilesystemConsumer})
     assert spec["filesystem"].options == options
 
 

@@ -3,7 +3,7 @@ import logging
 import pytest
 import torch
 
-from vllm_interp.capture.consumer import CaptureMeta, ConsumerContext, RequestCapture
+from vllm_interp.capture.consumer import CaptureMeta, ConsumerContext, EngineFacts, RequestCapture
 from vllm_interp.capture.consumers.logging import LoggingConsumer
 
 LOGGER = "vllm_interp.capture.logging"
@@ -109,6 +109,6 @@ def test_bad_engine_options_name_the_option(options, field):
 
 
 def test_request_options_are_rejected():
-    assert LoggingConsumer.validate_options({}) == {}
+    assert LoggingConsumer.validate_options({}, EngineFacts(8)) == {}
     with pytest.raises(ValueError, match="^note: "):
-        LoggingConsumer.validate_options({"note": "x"})
+        LoggingConsumer.validate_options({"note": "x"}, EngineFacts(8))

@@ -6,7 +6,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from vllm_interp.capture.consumer import CaptureConsumer
+from vllm_interp.capture.consumer import CaptureConsumer, EngineFacts
 from vllm_interp.capture.consumers.inline import InlineConsumer
 from vllm_interp.capture.spec import (
     MAX_TAG_LENGTH,
@@ -26,7 +26,7 @@ class LevelConsumer(CaptureConsumer):
     name = "levels"
 
     @classmethod
-    def validate_options(cls, options: dict[str, Any]) -> dict[str, Any]:
+    def validate_options(cls, options: dict[str, Any], engine: EngineFacts) -> dict[str, Any]:
         for key in options:
             if key != "level":
                 raise ValueError(f"{key}: unknown option")
@@ -40,7 +40,7 @@ CONSUMERS = {"inline": InlineConsumer, "levels": LevelConsumer}
 
 
 def validate(raw: Any, **kwargs: Any) -> dict[str, ConsumerSpec]:
-    return validate_capture_spec(raw, num_layers=NUM_LAYERS, consumers=CONSUMERS, **kwargs)
+    return validate_capture_spec(raw, engine=EngineFacts(NUM_LAYERS), consumers=CONSUMERS, **kwargs)
 
 
 def spec_error(raw: Any, **kwargs: Any) -> str:
@@ -235,7 +235,7 @@ def test_unknown_consumer_lists_enabled_ones():
 
 def test_unknown_consumer_with_none_enabled():
     with pytest.raises(CaptureSpecError, match=r"\(enabled: none\)"):
-        validate_capture_spec({"inline": {}}, num_layers=NUM_LAYERS, consumers={})
+        validate_capture_spec({"inline": {}}, engine=EngineFacts(NUM_LAYERS), consumers={})
 
 
 @pytest.mark.parametrize(

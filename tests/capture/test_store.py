@@ -4,7 +4,7 @@ import numpy as np
 import torch
 
 from vllm_interp.capture import store as store_module
-from vllm_interp.capture.consumer import ConsumerContext
+from vllm_interp.capture.consumer import ConsumerContext, EngineFacts
 from vllm_interp.capture.consumers.inline import InlineConsumer, ResidualReadout
 from vllm_interp.capture.dispatch import ConsumerRunner
 from vllm_interp.capture.spec import spec_to_wire, validate_capture_spec
@@ -28,7 +28,7 @@ def make_store() -> CaptureStore:
 
 def extra_args(key: str, positions) -> dict:
     spec = validate_capture_spec({"inline": {"hooks": {"post_block": [1]}, "positions": positions}},
-                                 num_layers=LAYERS, consumers={"inline": InlineConsumer})
+                                 engine=EngineFacts(LAYERS), consumers={"inline": InlineConsumer})
     return {EXTRA_ARGS_KEY: {"capture": spec_to_wire(spec), "capture_key": key}}
 
 

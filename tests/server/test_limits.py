@@ -23,7 +23,7 @@ from starlette.requests import Request
 
 from tests.conftest import API_KEY, HIDDEN, VLLM_INTERP, vector
 from vllm_interp import pack_vectors
-from vllm_interp.capture.consumer import CaptureMeta, ConsumerContext, RequestCapture
+from vllm_interp.capture.consumer import CaptureMeta, ConsumerContext, EngineFacts, RequestCapture
 from vllm_interp.capture.consumers.filesystem import FilesystemConsumer
 from vllm_interp.capture.consumers.inline import InlineConsumer
 from vllm_interp.capture.limits import check_capture_bytes
@@ -227,7 +227,7 @@ def test_named_files_are_checked_before_the_start(tmp_path, flags, message):
 # -- capture bytes ---------------------------------------------------------------------------------------------------
 
 
-SPEC_ARGS = {"num_layers": LAYERS, "consumers": {"inline": InlineConsumer}}
+SPEC_ARGS = {"engine": EngineFacts(LAYERS), "consumers": {"inline": InlineConsumer}}
 
 
 def _spec(**entry) -> dict:
@@ -266,7 +266,6 @@ def _admit(body: dict, limits: FrontendLimits, max_model_len: int = 8192) -> tup
     state = State()
     state.vllm_interp_frontend = InterpFrontend(SteeringState(ModelShape(LAYERS, HIDDEN), enabled=True),
                                                 {"inline": InlineConsumer}, patching=False, max_patch_rows=8)
-    state.vllm_interp_num_layers = LAYERS
     state.vllm_interp_limits = limits
     state.vllm_interp_max_model_len = max_model_len
     state.engine_client = SimpleNamespace(get_tokenizer=_Tokenizer)

@@ -75,7 +75,6 @@ def _serve(request: dict, events: Callable[[dict], list[bytes]] = vllm_events,
     state = State()
     state.vllm_interp_frontend = InterpFrontend(SteeringState(ModelShape(4, 8), enabled=False),
                                                 {"logging": LoggingConsumer}, patching=False, max_patch_rows=8)
-    state.vllm_interp_num_layers = 4
     state.engine_client = Engine()
     run = SimpleNamespace(request=None, status=None, body=[], after_message=[], engine=state.engine_client)
 

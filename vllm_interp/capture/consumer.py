@@ -10,10 +10,11 @@ Lifecycle, all on the consumer's thread except ``validate_*``:
 
 1. ``validate_engine_options(options)`` (classmethod): check the ``--capture-consumers`` options, before the
    engine starts.
-2. ``validate_options(options)`` (classmethod): check a request's consumer options (every field of its spec
-   besides hooks/positions/tag/naming), in the frontend and again in the worker. Raise
-   ``ValueError("field: why")``. ``validate_hooks(hooks, options)`` (classmethod) may choose the sites when
-   the spec names none, or refuse sites the consumer cannot take.
+2. ``validate_options(options, engine)`` (classmethod): check a request's consumer options (every field of
+   its spec besides hooks/positions/tag/naming), in the frontend (and in each worker for ``--capture-global``),
+   against the ``EngineFacts`` of the engine that serves it. Raise ``ValueError("field: why")``.
+   ``validate_hooks(hooks, options, engine)`` (classmethod) may choose the sites when the spec names none, or
+   refuse sites the consumer cannot take.
 3. ``__init__(context)``: once per worker, with the engine options and the model's facts.
 4. ``consume(capture)``: once per finished request, with every captured row. Return a dict (or None) that
    the caller receives as the result (offline as is; over HTTP through ``result_to_json``); raise to fail
@@ -25,13 +26,24 @@ the stages' results for the caller.
 """
 
 import base64
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 
 from vllm_interp.hooks import HOOKS, parse_site_name, site_order
+from vllm_interp.sae import SparseAutoencoder
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What validating a request may consult about the engine serving it; the frontend and the worker build
+    the same facts from the same flags, so a spec validates alike in both (several engines may share a
+    process, as offline tests do: the facts travel with the call, never through process state)."""
+
+    num_layers: int
+    saes: Mapping[str, SparseAutoencoder] = field(default_factory=dict)  # --sae NAME=DIR, loaded
 
 
 @dataclass(frozen=True)
@@ -45,6 +57,7 @@ class ConsumerContext:
     hidden_size: int
     pipeline_rank: int = 0  # this stage; it holds only its own layers of every request
     pipeline_size: int = 1
+    saes: Mapping[str, SparseAutoencoder] = field(default_factory=dict)  # --sae NAME=DIR, loaded
 
 
 @dataclass(frozen=True)
@@ -132,12 +145,12 @@ class CaptureConsumer:
         return _no_options(options)
 
     @classmethod
-    def validate_options(cls, options: dict[str, Any]) -> dict[str, Any]:
+    def validate_options(cls, options: dict[str, Any], engine: EngineFacts) -> dict[str, Any]:
         """Check (and normalise) a request's consumer options; default: none accepted."""
         return _no_options(options)
 
     @classmethod
-    def validate_hooks(cls, hooks: Any, options: dict[str, Any]) -> Any:
+    def validate_hooks(cls, hooks: Any, options: dict[str, Any], engine: EngineFacts) -> Any:
         """The spec's ``hooks`` (None when the request gave none; then everything, ``"all"``), after the
         consumer's say. Default: whatever the request gave."""
         return "all" if hooks is None else hooks

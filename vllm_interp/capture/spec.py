@@ -22,6 +22,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError, field_validator
 
+from vllm_interp.capture.consumer import EngineFacts
 from vllm_interp.hooks import HOOK_SPELLINGS, HOOKS, Hook, Naming, canonical_hook, parse_site_name, site_name
 
 PositionKeyword = Literal["all", "all_prompt", "last_prompt", "all_generated"]
@@ -167,9 +168,10 @@ def _canonical_hooks(raw: Any, where: str) -> Any:
 
 
 def validate_capture_spec(
-    raw: Any, *, num_layers: int, consumers: Mapping[str, Any], field: str = "capture"
+    raw: Any, *, engine: EngineFacts, consumers: Mapping[str, Any], field: str = "capture"
 ) -> CaptureSpec:
-    """Parse and check a capture spec against the model and the engine's enabled consumers.
+    """Parse and check a capture spec against the engine (its model's layers, its SAEs) and its enabled
+    consumers.
 
     ``consumers`` maps each enabled consumer name to its class (whose ``validate_options`` checks the
     consumer's own options, and ``validate_hooks`` the sites it can take). Errors name the field, e.g.
@@ -191,15 +193,14 @@ def validate_capture_spec(
             raise _field_error(exc, prefix) from None
         for hook, layers in (parsed.hooks if parsed.hooks != "all" else {}).items():
             if layers != "all":
-                bad = [layer for layer in layers if not 0 <= layer < num_layers]
+                bad = [layer for layer in layers if not 0 <= layer < engine.num_layers]
                 if bad:
-                    raise CaptureSpecError(
-                        f"{prefix}.hooks.{hook}: layers {bad} out of range for a model with {num_layers} layers"
-                    )
+                    raise CaptureSpecError(f"{prefix}.hooks.{hook}: layers {bad} out of range for a model with "
+                                           f"{engine.num_layers} layers")
         try:
-            options = consumers[name].validate_options(parsed.options)
+            options = consumers[name].validate_options(parsed.options, engine)
             hooks = consumers[name].validate_hooks(parsed.hooks if "hooks" in parsed.model_fields_set else None,
-                                                   options)
+                                                   options, engine)
         except ValueError as exc:
             raise CaptureSpecError(f"{prefix}.{exc}") from None
         update = dict(options) if options != parsed.options else {}

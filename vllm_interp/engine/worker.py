@@ -12,7 +12,7 @@ from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker
 
-from vllm_interp.capture.consumer import ConsumerContext
+from vllm_interp.capture.consumer import ConsumerContext, EngineFacts
 from vllm_interp.capture.dispatch import ConsumerRunner
 from vllm_interp.capture.plugins import configure_consumers
 from vllm_interp.capture.spec import validate_capture_spec
@@ -23,7 +23,7 @@ from vllm_interp.engine.runner import with_interp_runner
 from vllm_interp.models.registry import install_sites
 from vllm_interp.patching.sources import SOURCES
 from vllm_interp.patching.tables import PATCH_RESULT, PatchTables
-from vllm_interp.sae import activate_saes
+from vllm_interp.sae import load_saes
 from vllm_interp.steering.tables import SteeringTables, table_rows
 from vllm_interp.steering.vectors import SteeringVectors
 
@@ -61,12 +61,11 @@ class InterpWorkerMixin:
     def _capture_store(self, config: InterpConfig, bank) -> CaptureStore:
         model_config = self.vllm_config.model_config
         num_layers = model_config.get_total_num_hidden_layers()
-        # Before the consumers: sae_features reads this process's SAEs.
-        activate_saes(config.saes, num_layers=num_layers, hidden_size=model_config.get_hidden_size())
+        saes = load_saes(config.saes, num_layers=num_layers, hidden_size=model_config.get_hidden_size())
         setups = configure_consumers(config.consumers)
         global_spec = {}
         if config.capture_global:
-            global_spec = validate_capture_spec(json.loads(config.capture_global), num_layers=num_layers,
+            global_spec = validate_capture_spec(json.loads(config.capture_global), engine=EngineFacts(num_layers, saes),
                                                 consumers={n: s.cls for n, s in setups.items()}, field="capture_global")
         # Tensor-parallel ranks hold identical residual rows: rank 0 alone runs consumers, except those every
         # rank needs.
@@ -77,7 +76,7 @@ class InterpWorkerMixin:
                 context = ConsumerContext(
                     name=name, options=setup.options, model=str(model_config.served_model_name),
                     num_layers=num_layers, hidden_size=model_config.get_hidden_size(),
-                    pipeline_rank=get_pp_group().rank_in_group, pipeline_size=get_pp_group().world_size,
+                    pipeline_rank=get_pp_group().rank_in_group, pipeline_size=get_pp_group().world_size, saes=saes,
                 )
                 runners[name] = ConsumerRunner(setup.cls(context), policy=config.capture_overload_policy,
                                                queue_bytes=setup.queue_bytes, spill_dir=setup.spill_dir)

@@ -21,7 +21,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError, field_validator, model_validator
 from vllm import SamplingParams
 
-from vllm_interp.capture.spec import CaptureSpec, validate_capture_spec
+from vllm_interp.capture.spec import CaptureSpec
 from vllm_interp.frontend import InterpFrontend, PreparedRequest, collect_results_async
 from vllm_interp.hooks import Hook, canonical_hook
 from vllm_interp.patching.spec import PatchEntry, PatchError, PatchSpec
@@ -342,9 +342,8 @@ class SweepRunner:
     def _source_capture(self, run_id: str) -> CaptureSpec:
         """The clean run keeps only what the cells patch from: the swept sites at every prompt position."""
         sites = {hook: self.plan.layers for hook in self.plan.hooks}
-        return validate_capture_spec({"patch_source": {"hooks": sites, "positions": "all_prompt", "tag": run_id}},
-                                     num_layers=self.frontend.steering.shape.num_layers,
-                                     consumers=self.frontend.consumers)
+        return self.frontend.validate_capture(
+            {"patch_source": {"hooks": sites, "positions": "all_prompt", "tag": run_id}})
 
     async def _cells(self, run_id: str, clean: dict | None) -> AsyncIterator[tuple[str, dict[str, Any]]]:
         plan = self.plan

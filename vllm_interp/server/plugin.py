@@ -42,7 +42,6 @@ class InterpEndpoints:
             name, path = parse_named_file(flag)
             frontend.steering.register(name, load_named_file(path))
         state.vllm_interp_steering = frontend.steering
-        state.vllm_interp_num_layers = shape.num_layers
         state.vllm_interp_frontend = frontend
         state.vllm_interp_api_keys = configured_keys(getattr(args, "steering_api_key", None))
         state.vllm_interp_limits = limits

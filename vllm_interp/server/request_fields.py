@@ -34,7 +34,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from vllm_interp.capture.limits import check_capture_bytes
 from vllm_interp.capture.results import ConsumerResult, result_to_json
-from vllm_interp.capture.spec import CaptureSpec, CaptureSpecError, validate_capture_spec
+from vllm_interp.capture.spec import CaptureSpec, CaptureSpecError
 from vllm_interp.frontend import (
     RESULTS_RPC,
     SOURCES_RPC,
@@ -178,8 +178,7 @@ class RequestFieldsMiddleware:
     def _capture_spec(state: Any, data: dict[str, Any], raw: Any):
         if raw is None:
             return None
-        spec = validate_capture_spec(raw, num_layers=state.vllm_interp_num_layers,
-                                     consumers=state.vllm_interp_frontend.consumers)
+        spec = state.vllm_interp_frontend.validate_capture(raw)
         if data.get("n", 1) != 1:
             raise CaptureSpecError("capture: n > 1 is not supported with capture; send the prompt n times")
         if _several_prompts(data):

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ValidationError
 from vllm import SamplingParams
 
 from vllm_interp.capture.consumers.inline import ResidualReadout
-from vllm_interp.capture.spec import CaptureSpecError, validate_capture_spec
+from vllm_interp.capture.spec import CaptureSpecError
 from vllm_interp.frontend import RESULTS_RPC, InterpFrontend, collect_results_async
 from vllm_interp.hooks import HOOKS
 from vllm_interp.request_args import EXTRA_ARGS_KEY
@@ -159,8 +159,7 @@ async def _readouts(state: Any, body: ContrastiveRequest) -> list[ResidualReadou
     """Every prompt's captured rows, all prompts submitted at once (one batch)."""
     frontend: InterpFrontend = state.vllm_interp_frontend
     engine = state.engine_client
-    spec = validate_capture_spec(body.capture_spec(frontend.steering.shape.num_layers),
-                                 num_layers=frontend.steering.shape.num_layers, consumers=frontend.consumers)
+    spec = frontend.validate_capture(body.capture_spec(frontend.steering.shape.num_layers))
     tokenizer, max_model_len = engine.get_tokenizer(), engine.model_config.max_model_len
     for side in ("positive", "negative"):
         for i, prompt in enumerate(getattr(body, side)):

@@ -41,7 +41,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from vllm_interp.capture.consumer import CaptureConsumer, ConsumerContext, RequestCapture, merge_stages
+from vllm_interp.capture.consumer import CaptureConsumer, ConsumerContext, EngineFacts, RequestCapture, merge_stages
 from vllm_interp.hooks import parse_site_name
 
 LAYOUTS = ("per_file", "packed", "sharded")
@@ -91,7 +91,7 @@ class FilesystemConsumer(CaptureConsumer):
         for key in options:
             if key != "root" and key not in DEFAULT_OPTIONS:
                 raise ValueError(f"{key}: unknown option")
-        per_request = cls.validate_options({k: v for k, v in options.items() if k in REQUEST_OPTIONS})
+        per_request = _checked_request_options({k: v for k, v in options.items() if k in REQUEST_OPTIONS})
         return {
             **DEFAULT_OPTIONS,
             **per_request,
@@ -100,15 +100,9 @@ class FilesystemConsumer(CaptureConsumer):
         }
 
     @classmethod
-    def validate_options(cls, options: dict[str, Any]) -> dict[str, Any]:
+    def validate_options(cls, options: dict[str, Any], engine: EngineFacts) -> dict[str, Any]:
         """A request may set ``layout`` and ``on_collision``; the engine's values apply otherwise."""
-        for key, value in options.items():
-            allowed = REQUEST_OPTIONS.get(key)
-            if allowed is None:
-                raise ValueError(f"{key}: unknown option")
-            if not isinstance(value, str) or value not in allowed:
-                raise ValueError(f"{key}: must be one of {', '.join(allowed)} (got {value!r})")
-        return dict(options)
+        return _checked_request_options(options)
 
     def consume(self, capture: RequestCapture) -> dict[str, Any]:
         options = {"layout": self.layout, "on_collision": self.on_collision, **capture.meta.options}
@@ -346,6 +340,16 @@ def _checked_root(value: str | None) -> str:
     if root.exists() and not root.is_dir():
         raise ValueError(f"root: {root} exists and is not a directory")
     return str(root)
+
+
+def _checked_request_options(options: dict[str, Any]) -> dict[str, Any]:
+    for key, value in options.items():
+        allowed = REQUEST_OPTIONS.get(key)
+        if allowed is None:
+            raise ValueError(f"{key}: unknown option")
+        if not isinstance(value, str) or value not in allowed:
+            raise ValueError(f"{key}: must be one of {', '.join(allowed)} (got {value!r})")
+    return dict(options)
 
 
 def _checked_shard_mb(value: str | int) -> int:

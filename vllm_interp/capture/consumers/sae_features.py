@@ -2,8 +2,8 @@
 
 Enable with ``--capture-consumers sae_features`` beside ``--sae NAME=DIR``. A request asks
 ``{"sae_features": {"sae": NAME, "k": 16, "positions": ...}}`` (``sae`` may be left out when one SAE is
-loaded); the SAE's site is what is captured (``hooks`` may be left out; naming another site is an error).
-The result, offline and over HTTP::
+loaded; ``k`` defaults to 16, or the SAE's width when smaller); the SAE's site is what is captured
+(``hooks`` may be left out; naming another site is an error). The result, offline and over HTTP::
 
     {"sae": NAME, "site": "6.post_block", "positions": [...],
      "feature_ids": [[k ints] per position], "feature_values": [[k floats] per position]}
@@ -11,19 +11,19 @@ The result, offline and over HTTP::
 ids are ordered by activation, largest first; features that do not fire have value 0.
 """
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from vllm_interp.capture.consumer import CaptureConsumer, RequestCapture
+from vllm_interp.capture.consumer import CaptureConsumer, EngineFacts, RequestCapture
 from vllm_interp.hooks import parse_site_name, site_name
-from vllm_interp.sae import SparseAutoencoder, active_saes
+from vllm_interp.sae import SparseAutoencoder
 
 DEFAULT_K = 16
 
 
-def _sae(options: dict[str, Any]) -> SparseAutoencoder:
-    saes = active_saes()
+def _sae(options: dict[str, Any], saes: Mapping[str, SparseAutoencoder]) -> SparseAutoencoder:
     name = options.get("sae")
     if name is None:
         if len(saes) != 1:
@@ -40,18 +40,18 @@ class SaeFeaturesConsumer(CaptureConsumer):
     name = "sae_features"
 
     @classmethod
-    def validate_options(cls, options: dict[str, Any]) -> dict[str, Any]:
+    def validate_options(cls, options: dict[str, Any], engine: EngineFacts) -> dict[str, Any]:
         if unknown := sorted(set(options) - {"sae", "k"}):
             raise ValueError(f"{unknown[0]}: unknown option (sae_features takes sae, k)")
-        sae = _sae(options)
-        k = options.get("k", DEFAULT_K)
+        sae = _sae(options, engine.saes)
+        k = options.get("k", min(DEFAULT_K, sae.num_features))
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= sae.num_features:
             raise ValueError(f"k: expected an integer in [1, {sae.num_features}]")
         return {"sae": sae.name, "k": k}
 
     @classmethod
-    def validate_hooks(cls, hooks: Any, options: dict[str, Any]) -> Any:
-        sae = _sae(options)
+    def validate_hooks(cls, hooks: Any, options: dict[str, Any], engine: EngineFacts) -> Any:
+        sae = _sae(options, engine.saes)
         own = {sae.hook: [sae.layer]}
         if hooks is not None and hooks != own:
             raise ValueError(f"hooks: SAE {sae.name!r} reads {sae.site} "
@@ -61,7 +61,7 @@ class SaeFeaturesConsumer(CaptureConsumer):
 
     def consume(self, capture: RequestCapture) -> dict[str, Any]:
         options = capture.meta.options
-        sae = _sae(options)
+        sae = _sae(options, self.context.saes)
         (name, rows), = capture.tensors.items()
         if parse_site_name(name) != (sae.layer, sae.hook):
             raise ValueError(f"captured {name}, but SAE {sae.name!r} reads {sae.site}")

@@ -9,7 +9,7 @@ import json
 import os
 from typing import Any, ClassVar
 
-from vllm_interp.capture.consumer import CaptureConsumer, ConsumerContext, RequestCapture
+from vllm_interp.capture.consumer import CaptureConsumer, ConsumerContext, EngineFacts, RequestCapture
 
 MAX_NOTE_LENGTH = 200
 
@@ -27,7 +27,7 @@ class ActivationStatsConsumer(CaptureConsumer):
         return {"path": options["path"]}
 
     @classmethod
-    def validate_options(cls, options: dict[str, Any]) -> dict[str, Any]:
+    def validate_options(cls, options: dict[str, Any], engine: EngineFacts) -> dict[str, Any]:
         unknown = options.keys() - {"note"}
         if unknown:
             raise ValueError(f"{min(unknown)}: unknown option")
