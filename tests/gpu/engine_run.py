@@ -3,15 +3,23 @@
     python -m tests.gpu.engine_run MODE MODEL_DIR CAPTURE_ROOT OUT.pt
 
 Each mode is one ``vllm_interp.LLM`` on the same random fp32 Llama: ``eager`` (one GPU, the reference),
-``graphs`` (one GPU, torch.compile + CUDA graphs), ``tp2`` and ``pp2`` (two GPUs). It runs the same
-workloads in every mode (parity read-outs, capture to consumers, a patch grid; steering on one GPU) and saves
-plain data (tensors, lists, strings), so the tests can compare modes.
-One engine per process, in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by the caller): that is how
-these checks first ran on the device (an engine core in its own process once hung at start there), and a
-fresh process leaves no CUDA or distributed state from one engine to the next.
+``graphs`` (one GPU, torch.compile + CUDA graphs), ``tp2`` and ``pp2`` (two GPUs, eager), ``tp2_graphs`` (two
+GPUs, graphs) and ``graphs_mp`` (``graphs`` with the engine core in its own process). It runs the same
+workloads in every mode (parity read-outs, capture to consumers; a patch grid in the first four; steering in
+``STEERED_MODES``; last, the parity prompts with no capture) and saves plain data (tensors, lists, strings), so
+the tests can compare modes.
+One engine per process, with the engine core in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by the
+caller) except in ``MULTIPROCESS_MODES``: that is how these checks first ran on the device (an engine core in
+its own process once hung at start there; ``graphs_mp`` is the check of vLLM's default), and a fresh process
+leaves no CUDA or distributed state from one engine to the next. ``graphs_mp`` starts its engine
+``MP_STARTS`` times in all (the later starts only generate once), to probe that start-up hang.
 """
 
+import faulthandler
+import gc
+import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -35,9 +43,21 @@ MODES = {
     "graphs": dict(enforce_eager=False),
     "tp2": dict(enforce_eager=True, tensor_parallel_size=2),
     "pp2": dict(enforce_eager=True, pipeline_parallel_size=2),
+    "tp2_graphs": dict(enforce_eager=False, tensor_parallel_size=2),
+    "graphs_mp": dict(enforce_eager=False),
 }
-# Steering under graphs is the question; across GPUs only capture is checked.
-STEERED_MODES = ("eager", "graphs")
+# Steering under graphs is the question, on one GPU and across two with TP (graph replays on every rank).
+STEERED_MODES = ("eager", "graphs", "tp2_graphs", "graphs_mp")
+# The patch grid is compared in test_patching.py for these modes only; the others skip it to save device time.
+PATCHED_MODES = ("eager", "graphs", "tp2", "pp2")
+# Modes whose engine core runs in its own process (vLLM's default; the caller sets the variable per mode).
+MULTIPROCESS_MODES = ("graphs_mp",)
+# Engine starts in a multiprocess mode's process: the first runs the workloads, the others probe the start-up
+# hang again (the frontend then holds the earlier engines' consumer threads, and maybe CUDA, when it starts).
+MP_STARTS = 3
+# A graph-mode start took 51 s cold and 30 s warm on an H100; a start still running after this is taken as stuck
+# and the frontend's threads are dumped (tests/gpu/modes.py dumps every process's when it kills the mode).
+START_STUCK_S = 150
 
 
 def gpus_needed(mode: str) -> int:
@@ -78,6 +98,8 @@ def capture_to_consumers(llm) -> dict:
     return {
         "statuses": [{name: r.status for name, r in o.capture.items()} for o in outputs],
         "messages": [m for o in outputs for r in o.capture.values() if (m := r.message)],
+        # The parity workload's prompts again: whether a mode's greedy tokens repeat within one engine.
+        "tokens": [list(o.outputs[0].token_ids) for o in outputs],
         # A failed inline result leaves no rows; the statuses say why.
         "readouts": _readout_data(getattr(o, "residuals", None) for o in outputs),
     }
@@ -130,21 +152,57 @@ def patch(llm) -> dict:
             "logprobs": [[o.outputs[0].logprobs[0][t].logprob for t in PATCH_GRADED] for o in outputs]}
 
 
-def run(mode: str, model: Path, capture_root: Path) -> dict:
+def start_engine(mode: str, model: Path, capture_root: Path) -> tuple[LLM, dict]:
+    """The mode's engine, and how its start went (seconds, the engine core client, what the frontend held)."""
+    before = {"cuda_initialized": torch.cuda.is_initialized(),
+              "threads": sorted(t.name for t in threading.enumerate())}
+    # Evidence if the start hangs: where the frontend waits (the engine core's stacks come from modes.py).
+    faulthandler.dump_traceback_later(START_STUCK_S, exit=False)
     start = time.perf_counter()
-    llm = LLM(str(model), dtype="float32", attention_backend="TRITON_ATTN", skip_tokenizer_init=True,
-              max_model_len=512, max_num_batched_tokens=16, max_num_seqs=8, gpu_memory_utilization=0.3, seed=0,
-              capture_consumers=("inline", f"filesystem:root={capture_root}"),
-              enable_steering=mode in STEERED_MODES, enable_patching=True, **MODES[mode])
-    result = {"mode": mode, "engine_init_s": time.perf_counter() - start,
+    try:
+        llm = LLM(str(model), dtype="float32", attention_backend="TRITON_ATTN", skip_tokenizer_init=True,
+                  max_model_len=512, max_num_batched_tokens=16, max_num_seqs=8, gpu_memory_utilization=0.3, seed=0,
+                  capture_consumers=("inline", f"filesystem:root={capture_root}"),
+                  enable_steering=mode in STEERED_MODES, enable_patching=mode in PATCHED_MODES, **MODES[mode])
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    seconds = time.perf_counter() - start
+    # vLLM forks the engine core unless CUDA is initialized here, and says so by setting this variable.
+    start_info = {"init_s": seconds, "engine_core": type(llm.llm_engine.engine_core).__name__,
+                  "method": os.environ.get("VLLM_WORKER_MULTIPROC_METHOD", "fork"), **before}
+    print(f"engine_run {mode}: engine started in {seconds:.1f} s ({start_info['engine_core']}, "
+          f"{start_info['method']}, CUDA initialized before: {before['cuda_initialized']})", flush=True)
+    return llm, start_info
+
+
+def run(mode: str, model: Path, capture_root: Path) -> dict:
+    llm, start_info = start_engine(mode, model, capture_root)
+    result = {"mode": mode, "engine_init_s": start_info["init_s"], "starts": [start_info],
               "cudagraph_mode": str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode)}
     sequences, readouts = engine_sequences_and_readouts(llm, prompts(1), max_tokens=GREEDY["max_tokens"])
     result["parity"] = {"sequences": sequences, "readouts": _readout_data(readouts)}
     result["capture"] = capture_to_consumers(llm)
-    result["patching"] = patch(llm)
+    if mode in PATCHED_MODES:
+        result["patching"] = patch(llm)
     if mode in STEERED_MODES:
         result["steering"] = steer(llm)
+    # The parity prompts a third time, with no capture: tells a wrong forward from a capture that disturbs it.
+    plain = llm.generate([{"prompt_token_ids": p} for p in prompts(1)], SamplingParams(**GREEDY), use_tqdm=False)
+    result["plain_tokens"] = [list(o.outputs[0].token_ids) for o in plain]
     llm.shutdown()
+    if mode in MULTIPROCESS_MODES:
+        # The later starts generate once each (the tests hold their tokens to the first engine's).
+        result["restart_tokens"] = []
+        for _ in range(MP_STARTS - 1):
+            del llm
+            gc.collect()
+            # A root of its own: under the mode's root it would be listed as a capture.
+            restart_root = capture_root.with_name(f"{capture_root.name}-restart-{len(result['starts'])}")
+            llm, start_info = start_engine(mode, model, restart_root)
+            result["starts"].append(start_info)
+            output = llm.generate([{"prompt_token_ids": prompts(1)[0]}], SamplingParams(**GREEDY), use_tqdm=False)
+            result["restart_tokens"].append(list(output[0].outputs[0].token_ids))
+            llm.shutdown()
     return result
 
 
