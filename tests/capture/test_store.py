@@ -9,9 +9,9 @@ from vllm_interp.capture.consumers.inline import InlineConsumer, ResidualReadout
 from vllm_interp.capture.dispatch import ConsumerRunner
 from vllm_interp.capture.spec import spec_to_wire, validate_capture_spec
 from vllm_interp.capture.store import CaptureStore
-from vllm_interp.engine.row_plan import batch_slices, plan_reads
 from vllm_interp.models.registry import SiteBank
 from vllm_interp.request_args import EXTRA_ARGS_KEY
+from vllm_interp.row_plan import batch_slices, plan_reads
 
 LAYERS, HIDDEN = 2, 4
 
@@ -23,7 +23,8 @@ def make_store() -> CaptureStore:
                     patch_alpha=torch.zeros(1))
     context = ConsumerContext("inline", {}, "m", num_layers=LAYERS, hidden_size=HIDDEN)
     runner = ConsumerRunner(InlineConsumer(context), policy="block", queue_bytes=1 << 20)
-    return CaptureStore(bank, num_layers=LAYERS, model="m", consumers={"inline": runner}, global_spec={})
+    return CaptureStore(bank, num_layers=LAYERS, model="m", consumers={"inline": runner}, global_spec={},
+                        external_id=str)
 
 
 def extra_args(key: str, positions) -> dict:

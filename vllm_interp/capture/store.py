@@ -8,7 +8,7 @@ global captures); whichever comes first.
 """
 
 import logging
-import re
+from collections.abc import Callable
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,20 +20,14 @@ from vllm_interp.capture.consumer import CaptureMeta, RequestCapture
 from vllm_interp.capture.dispatch import ConsumerRunner
 from vllm_interp.capture.results import ConsumerResult
 from vllm_interp.capture.spec import CaptureSpec, spec_from_wire
-from vllm_interp.engine.row_plan import ReadPlan
 from vllm_interp.hooks import HOOK_INDEX, HOOKS, site_name
 from vllm_interp.models.registry import SiteBank
 from vllm_interp.models.site_ops import StepReads
 from vllm_interp.request_args import interp_args
+from vllm_interp.row_plan import ReadPlan
 
 logger = logging.getLogger(__name__)
-# vLLM 0.26's InputProcessor.assign_request_id appends "-<8 hex>" to the caller's request id.
-_INTERNAL_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
 MAX_UNCLAIMED_RESULTS = 4096
-
-
-def external_request_id(req_id: str) -> str:
-    return _INTERNAL_SUFFIX.sub("", req_id)
 
 
 @dataclass
@@ -73,8 +67,10 @@ class _PendingCopy:
 
 class CaptureStore:
     def __init__(self, bank: SiteBank, *, num_layers: int, model: str, consumers: dict[str, ConsumerRunner],
-                 global_spec: CaptureSpec) -> None:
+                 global_spec: CaptureSpec, external_id: Callable[[str], str]) -> None:
+        """``external_id``: the caller's request id for the engine's (which may carry a suffix of vLLM's)."""
         self.bank = bank
+        self.external_id = external_id
         self.num_layers = num_layers
         self.model = model
         self.consumers = consumers
@@ -249,7 +245,7 @@ class CaptureStore:
         else:
             tensors = {n: torch.empty(0, table.shape[-1], dtype=table.dtype) for n in names}
         meta = CaptureMeta(
-            request_id=external_request_id(entry.req_id), tag=spec.tag, model=self.model,
+            request_id=self.external_id(entry.req_id), tag=spec.tag, model=self.model,
             prompt_len=entry.prompt_len, positions=present, sites=names,
             dtype=str(table.dtype).removeprefix("torch."), options=spec.options,
         )
