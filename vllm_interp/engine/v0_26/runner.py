@@ -136,7 +136,7 @@ class InterpRunnerMixin:
                 return None
             store.note_progress(entry, int(positions[-1]) + 1)
             # A pipeline stage holding none of the wanted layers has nothing to read.
-            return entry.select(positions) if entry.sites else None
+            return entry.select(positions) if entry.reads_held_sites else None
 
         return plan_reads(slices, selector)
 
