@@ -1,4 +1,5 @@
-"""What the server benchmarks share: starting `vllm-interp serve` on loopback and watching its processes."""
+"""What the server benchmarks share: starting a server (`vllm-interp serve`, or plain `vllm serve`) on loopback
+and watching its processes. Standard library and psutil only: it also runs on the lent GPU machine."""
 
 import os
 import signal
@@ -6,12 +7,16 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import psutil
-import requests
 
 VLLM_INTERP = str(Path(sys.executable).with_name("vllm-interp"))
+# Where no console script is installed (the GPU machine): the same commands through their modules.
+VLLM_INTERP_MODULE = [sys.executable, "-m", "vllm_interp.cli"]
+VLLM_MODULE = [sys.executable, "-m", "vllm.entrypoints.cli.main"]
 
 
 def free_port() -> int:
@@ -20,22 +25,35 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(args: list[str], log: Path, env: dict[str, str] | None = None,
-                 timeout_s: float = 900) -> tuple[str, subprocess.Popen]:
-    """`vllm-interp serve ARGS` in its own process group, output to ``log``; returns once /health answers."""
+def launch_server(args: list[str], log: Path, env: dict[str, str] | None = None,
+                  program: list[str] | None = None) -> tuple[str, subprocess.Popen]:
+    """``PROGRAM serve ARGS`` (default: `vllm-interp`) in its own process group, output to ``log``; returns
+    at once (``wait_healthy`` waits for it)."""
     port = free_port()
     with open(log, "w") as out:
-        process = subprocess.Popen([VLLM_INTERP, "serve", "--port", str(port), *args], stdout=out,
+        process = subprocess.Popen([*(program or [VLLM_INTERP]), "serve", "--port", str(port), *args], stdout=out,
                                    stderr=subprocess.STDOUT, env=env or os.environ, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    return f"http://127.0.0.1:{port}", process
+
+
+def start_server(args: list[str], log: Path, env: dict[str, str] | None = None, timeout_s: float = 900,
+                 program: list[str] | None = None) -> tuple[str, subprocess.Popen]:
+    """``launch_server``, returning once /health answers."""
+    url, process = launch_server(args, log, env, program)
+    wait_healthy(url, process, log, timeout_s)
+    return url, process
+
+
+def wait_healthy(url: str, process: subprocess.Popen, log: Path, timeout_s: float = 900) -> None:
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"server exited with {process.returncode}; see {log}")
         try:
-            if requests.get(f"{url}/health", timeout=2).ok:
-                return url, process
-        except requests.ConnectionError:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
             pass
         time.sleep(2)
     stop_server(process)

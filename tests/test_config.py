@@ -2,8 +2,8 @@
 
 import pytest
 
-from vllm_interp.compat import UnsupportedVllmVersion, check_vllm_version
 from vllm_interp.config import ADDITIONAL_CONFIG_KEY, SITE_SCHEME, InterpConfig, parse_consumer_spec
+from vllm_interp.engine.versions import UnsupportedVllmVersion, check_vllm_version
 from vllm_interp.models.registry import UnsupportedArchitecture, check_architecture
 
 
@@ -12,6 +12,7 @@ def test_config_round_trips_through_additional_config():
     additional = config.to_additional_config({"other": 1})
     assert additional["other"] == 1
     assert additional[ADDITIONAL_CONFIG_KEY]["site_scheme"] == SITE_SCHEME
+    assert dict(additional)["other"] == 1
     assert InterpConfig.from_additional_config(additional) == config
 
 
@@ -65,3 +66,22 @@ def test_http_payloads_are_parsed_once():
     assert interp_args(extra) == {"steering": {"digest": "d"}}
     assert extra["vllm_interp"] == {"steering": {"digest": "d"}}  # the parsed form replaced the string
     assert interp_args(None) == {} and interp_args({"other": 1}) == {}
+
+
+def test_vllm_compile_key_ignores_what_is_read_at_run_time():
+    """vLLM's compile-cache key (VllmConfig.compute_hash) moves with the graph's shape only: consumer options,
+    SAEs, the global capture and budgets reuse the compiled model; table heights and other user entries do not."""
+    from vllm.config import VllmConfig
+
+    def key(config: InterpConfig, other: dict | None = None) -> str:
+        return VllmConfig(additional_config=config.to_additional_config(other)).compute_hash()
+
+    base = InterpConfig(enable_steering=True, capture_consumers=("filesystem:root=/tmp/a",))
+    runtime_only = InterpConfig(enable_steering=True, capture_consumers=("filesystem:root=/tmp/b", "inline"),
+                                capture_overload_policy="drop", saes=("s=/tmp/sae",), patch_source_bytes=1 << 20,
+                                capture_global='{"inline": {}}')
+    assert key(base) == key(runtime_only)
+    assert key(base) != key(InterpConfig(enable_steering=True, max_steering_configs=2,
+                                         capture_consumers=("filesystem:root=/tmp/a",)))
+    assert key(base) != key(InterpConfig(enable_patching=True, capture_consumers=("filesystem:root=/tmp/a",)))
+    assert key(base) != key(base, {"other": 1})

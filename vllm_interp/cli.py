@@ -34,13 +34,12 @@ def _export_saelens(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
     from vllm_interp.capture.saelens_export import DTYPES
     from vllm_interp.client.trace import add_trace_parser
+    from vllm_interp.engine.versions import adapter
     from vllm_interp.server.serve import add_serve_parser
 
-    parser = FlexibleArgumentParser(
+    parser = adapter("serve").argument_parser(
         prog="vllm-interp", description="Residual-stream steering, capture and patching inside vLLM."
     )
     sub = parser.add_subparsers(dest="subparser", required=True)
@@ -89,15 +88,13 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _run(argv: list[str], out: TextIO) -> None:
-    from vllm_interp.compat import UnsupportedVllmVersion, check_vllm_version
+    from vllm_interp.engine.versions import UnsupportedVllmVersion, adapter, check_vllm_version
 
     try:
         check_vllm_version()
     except UnsupportedVllmVersion as exc:
         sys.exit(f"error: {exc}")
-    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
-
-    cli_env_setup()
+    adapter("serve").cli_env_setup()
     args = build_parser().parse_args(argv)
     args.terminal = out
     args.dispatch_function(args)

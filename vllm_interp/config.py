@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -10,7 +11,7 @@ from vllm_interp.sae import parse_sae_flag
 
 ADDITIONAL_CONFIG_KEY = "vllm_interp"
 # Bumped whenever the installed hook sites (their placement or the ops they call) change, so that vLLM's
-# compile cache, keyed on additional_config, never reuses a graph traced with other hooks.
+# compile cache, keyed on InterpConfig.compute_hash, never reuses a graph traced with other hooks.
 SITE_SCHEME = "residual-sites/4:" + ",".join(HOOKS)
 # The capture overload policies (vllm_interp.capture.dispatch); kept here so the config has no torch import.
 OVERLOAD_POLICIES = ("block", "drop", "spill")
@@ -104,8 +105,12 @@ class InterpConfig:
         return self.enable_steering or self.enable_patching or bool(self.capture_consumers)
 
     def compute_hash(self) -> str:
-        """Digest of everything that shapes the traced forward (vLLM also hashes additional_config)."""
-        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+        """Digest of what shapes the traced forward: whether sites are installed, the heights of their tables
+        and the code they run. Consumers, their options, SAEs, the global capture spec and memory budgets are
+        read at run time, so changing them reuses vLLM's compile cache."""
+        graph = {name: getattr(self, name) for name in GRAPH_FIELDS}
+        graph["sites_installed"] = self.hooks_needed
+        return hashlib.sha256(json.dumps(graph, sort_keys=True).encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -113,20 +118,62 @@ class InterpConfig:
         data["saes"] = list(self.saes)
         return data
 
-    def to_additional_config(self, existing: dict[str, Any] | None = None) -> dict[str, Any]:
-        merged = dict(existing or {})
-        merged[ADDITIONAL_CONFIG_KEY] = {**self.to_dict(), "hash": self.compute_hash()}
-        return merged
+    def to_additional_config(self, existing: Mapping[str, Any] | None = None) -> "InterpAdditionalConfig":
+        return InterpAdditionalConfig({**(existing or {}), ADDITIONAL_CONFIG_KEY: self.to_dict()})
 
     @classmethod
     def from_additional_config(cls, additional_config: dict[str, Any] | None) -> "InterpConfig | None":
         raw = (additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
         if raw is None:
             return None
-        raw = {k: v for k, v in raw.items() if k != "hash"}
+        raw = dict(raw)
         raw["capture_consumers"] = tuple(raw.get("capture_consumers", ()))
         raw["saes"] = tuple(raw.get("saes", ()))
         return cls(**raw)
+
+
+# InterpConfig fields that shape the traced forward (see compute_hash).
+GRAPH_FIELDS = ("enable_steering", "max_steering_configs", "enable_patching", "max_patch_rows", "package_version",
+                "site_scheme")
+
+
+class InterpAdditionalConfig(MutableMapping[str, Any]):
+    """vLLM's ``additional_config`` with vllm-interp's settings under ``"vllm_interp"``, hashed for vLLM's
+    compile cache by what shapes the graph only.
+
+    ``VllmConfig.compute_hash`` hashes a plain dict's whole JSON, so a new filesystem root or SAE would
+    recompile the model; an object with ``compute_hash`` (vLLM's ``SupportsHash``, which the field accepts) is
+    hashed by that method instead: a user's own entries whole, ours by ``InterpConfig.compute_hash``. It reads
+    like a dict for vLLM code that looks entries up.
+    """
+
+    def __init__(self, entries: Mapping[str, Any]) -> None:
+        self._entries = dict(entries)
+
+    def __getitem__(self, key: str) -> Any:
+        return self._entries[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self._entries[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self._entries[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __repr__(self) -> str:
+        return f"InterpAdditionalConfig({self._entries!r})"
+
+    def compute_hash(self) -> str:
+        others = {key: value for key, value in self._entries.items() if key != ADDITIONAL_CONFIG_KEY}
+        config = InterpConfig.from_additional_config(self._entries)
+        ours = config.compute_hash() if config is not None else None
+        digest = json.dumps({"others": others, ADDITIONAL_CONFIG_KEY: ours}, sort_keys=True, default=str)
+        return hashlib.sha256(digest.encode()).hexdigest()
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,10 @@ from vllm import RequestOutput, SamplingParams
 from vllm_interp.capture.consumers.inline import ResidualReadout
 from vllm_interp.capture.limits import check_capture_bytes
 from vllm_interp.capture.spec import CaptureSpec
-from vllm_interp.compat import check_vllm_version
 from vllm_interp.config import DEFAULT_MAX_PATCH_ROWS, DEFAULT_MAX_STEERING_CONFIGS, FrontendLimits, InterpConfig
 from vllm_interp.default_model import resolve_model
 from vllm_interp.engine.args import check_model_architecture, interp_engine_args
+from vllm_interp.engine.versions import adapter, check_vllm_version
 from vllm_interp.frontend import (
     RESULTS_RPC,
     SOURCES_RPC,
@@ -100,6 +100,7 @@ class LLM(vllm.LLM):
             additional_config=kwargs.get("additional_config"),
         )
         super().__init__(model=model, **kwargs)
+        adapter("offline").check_llm(self)
         model_config = self.llm_engine.model_config
         self.num_layers = model_config.get_total_num_hidden_layers()
         self.shape = ModelShape(self.num_layers, model_config.get_hidden_size())
@@ -178,7 +179,7 @@ class LLM(vllm.LLM):
 
     def shutdown(self) -> None:
         """Stop the engine processes now (rather than at garbage collection)."""
-        self.llm_engine.engine_core.shutdown()
+        adapter("offline").shutdown(self)
 
     def describe_sites(self) -> list[dict[str, Any]]:
         """The installed sites on each worker (layers held, hooks)."""

@@ -9,21 +9,23 @@ from vllm_interp.capture.consumers.inline import InlineConsumer, ResidualReadout
 from vllm_interp.capture.dispatch import ConsumerRunner
 from vllm_interp.capture.spec import spec_to_wire, validate_capture_spec
 from vllm_interp.capture.store import CaptureStore
-from vllm_interp.engine.row_plan import batch_slices, plan_reads
 from vllm_interp.models.registry import SiteBank
 from vllm_interp.request_args import EXTRA_ARGS_KEY
+from vllm_interp.row_plan import batch_slices, plan_reads
 
 LAYERS, HIDDEN = 2, 4
 
 
-def make_store() -> CaptureStore:
+def make_store(consumers: tuple[str, ...] = ("inline",)) -> CaptureStore:
+    """``consumers=()``: a tensor-parallel rank other than 0, which runs no inline consumer."""
     bank = SiteBank(layers=[0, 1], steer_index=torch.zeros(8, dtype=torch.long),
                     steer_tables={layer: torch.zeros(3, 1, HIDDEN) for layer in range(LAYERS)},
                     patch_index=torch.zeros(LAYERS, 3, 1, dtype=torch.long), patch_values=torch.zeros(1, HIDDEN),
                     patch_alpha=torch.zeros(1))
     context = ConsumerContext("inline", {}, "m", num_layers=LAYERS, hidden_size=HIDDEN)
     runner = ConsumerRunner(InlineConsumer(context), policy="block", queue_bytes=1 << 20)
-    return CaptureStore(bank, num_layers=LAYERS, model="m", consumers={"inline": runner}, global_spec={})
+    return CaptureStore(bank, num_layers=LAYERS, model="m", consumers={name: runner for name in consumers},
+                        global_spec={}, external_id=str)
 
 
 def extra_args(key: str, positions) -> dict:
@@ -89,3 +91,23 @@ def test_results_nobody_claims_are_bounded(monkeypatch):
     # Two were dropped (their consumers still ran); the two finalized last are there.
     assert sorted(str(a.get("inline", {}).get("status")) for a in answered.values()) == ["None", "None", "ok", "ok"]
     store.close()
+
+
+def test_ranks_without_the_consumer_plan_the_same_rows_and_read_none():
+    """Every tensor-parallel rank must agree on whether a step reads (a reading step runs eagerly): a rank
+    that runs no consumer of the request plans the same rows as rank 0, reads nothing and answers empty."""
+    rank0, rank1 = make_store(), make_store(consumers=())
+    plans = []
+    for store in (rank0, rank1):
+        entry = store.lookup("r", extra_args("k", "all"), prompt_len=5)
+        slices = batch_slices(["r"], np.array([0, 4]), np.array([0]))
+        plans.append(plan_reads(slices, lambda _, positions, e=entry: e.select(positions) if e.reads_held_sites
+                                else None))
+    assert plans[0].num_rows == plans[1].num_rows == 4
+    np.testing.assert_array_equal(plans[0].rows, plans[1].rows)
+    assert rank0.site_reads(plans[0], torch.device("cpu")) is not None
+    assert rank1.site_reads(plans[1], torch.device("cpu")) is None
+    assert rank1.capturing
+    assert rank1.results({"k": 5}, wait_s=0) == {"k": {}}
+    rank0.close()
+    rank1.close()

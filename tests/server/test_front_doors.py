@@ -15,7 +15,7 @@ import transformers
 
 from tests.conftest import API_KEY, SERVER_ARGS, VLLM_INTERP, vector
 from tests.server.test_steering_http import BAD as BAD_STEERING_FIELDS
-from vllm_interp.compat import UnsupportedVllmVersion, check_vllm_version
+from vllm_interp.engine.versions import UnsupportedVllmVersion, check_vllm_version
 from vllm_interp.models.registry import unsupported_message
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -61,7 +61,7 @@ def test_serve_refuses_another_vllm_release_with_a_clean_error(smollm2_path, ver
 LLM_DOOR = """
 import json, psutil
 from vllm_interp import LLM
-from vllm_interp.compat import UnsupportedVllmVersion
+from vllm_interp.engine.versions import UnsupportedVllmVersion
 try:
     LLM({model!r}, enable_steering=True, dtype="float32", max_model_len=512, kv_cache_memory_bytes=128 << 20)
 except UnsupportedVllmVersion as exc:

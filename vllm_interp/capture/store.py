@@ -8,7 +8,7 @@ global captures); whichever comes first.
 """
 
 import logging
-import re
+from collections.abc import Callable
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,35 +20,34 @@ from vllm_interp.capture.consumer import CaptureMeta, RequestCapture
 from vllm_interp.capture.dispatch import ConsumerRunner
 from vllm_interp.capture.results import ConsumerResult
 from vllm_interp.capture.spec import CaptureSpec, spec_from_wire
-from vllm_interp.engine.row_plan import ReadPlan
 from vllm_interp.hooks import HOOK_INDEX, HOOKS, site_name
 from vllm_interp.models.registry import SiteBank
 from vllm_interp.models.site_ops import StepReads
 from vllm_interp.request_args import interp_args
+from vllm_interp.row_plan import ReadPlan
 
 logger = logging.getLogger(__name__)
-# vLLM 0.26's InputProcessor.assign_request_id appends "-<8 hex>" to the caller's request id.
-_INTERNAL_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
 MAX_UNCLAIMED_RESULTS = 4096
-
-
-def external_request_id(req_id: str) -> str:
-    return _INTERNAL_SUFFIX.sub("", req_id)
 
 
 @dataclass
 class _Entry:
     req_id: str
     key: str | None  # set when the caller fetches results
-    specs: CaptureSpec
+    specs: CaptureSpec  # those of the consumers this rank runs
     prompt_len: int
-    sites: list[tuple[int, int]]  # (layer, hook index) any consumer wants, held on this rank
+    sites: list[tuple[int, int]]  # (layer, hook index) this rank's consumers want, held on this rank
+    # Every spec of the request, whether or not this rank runs its consumer: the positions read and whether
+    # a step reads at all (and so runs eagerly) must be the same on every tensor-parallel rank, or one rank
+    # replays a CUDA graph while another runs eagerly and their all-reduces no longer match.
+    all_specs: CaptureSpec = field(default_factory=dict)
+    reads_held_sites: bool = False  # some spec wants a site this pipeline stage holds
     # Per step: (positions, [len(sites), k, hidden]); a recomputed position (after preemption) appears again.
     chunks: list[tuple[np.ndarray, torch.Tensor]] = field(default_factory=list)
     num_computed: int = 0
 
     def select(self, positions: np.ndarray) -> np.ndarray:
-        masks = [spec.select(positions, self.prompt_len) for spec in self.specs.values()]
+        masks = [spec.select(positions, self.prompt_len) for spec in self.all_specs.values()]
         return np.logical_or.reduce(masks)
 
     def gathered(self) -> tuple[torch.Tensor, dict[int, int]] | None:
@@ -73,8 +72,10 @@ class _PendingCopy:
 
 class CaptureStore:
     def __init__(self, bank: SiteBank, *, num_layers: int, model: str, consumers: dict[str, ConsumerRunner],
-                 global_spec: CaptureSpec) -> None:
+                 global_spec: CaptureSpec, external_id: Callable[[str], str]) -> None:
+        """``external_id``: the caller's request id for the engine's (which may carry a suffix of vLLM's)."""
         self.bank = bank
+        self.external_id = external_id
         self.num_layers = num_layers
         self.model = model
         self.consumers = consumers
@@ -92,20 +93,23 @@ class CaptureStore:
         if req_id in self._entries:
             return self._entries[req_id]
         args = interp_args(extra_args)
-        specs = {**self.global_spec, **spec_from_wire(args.get("capture") or {})}
+        all_specs = {**self.global_spec, **spec_from_wire(args.get("capture") or {})}
         # Tensor-parallel ranks other than 0 run only the consumers that every rank needs (patch sources).
-        specs = {name: spec for name, spec in specs.items() if name in self.consumers}
+        specs = {name: spec for name, spec in all_specs.items() if name in self.consumers}
         entry = None
-        if specs:
-            wanted = {site for spec in specs.values() for site in spec.sites(self.num_layers)}
-            sites = sorted((layer, HOOK_INDEX[hook]) for layer, hook in wanted if layer in self._held)
-            entry = _Entry(req_id, args.get("capture_key"), specs, prompt_len, sites)
+        if all_specs:
+            entry = _Entry(req_id, args.get("capture_key"), specs, prompt_len, self._held_sites(specs), all_specs,
+                           bool(self._held_sites(all_specs)))
             if entry.key is not None:
                 self._by_key[entry.key] = req_id
         self._entries[req_id] = entry
         if entry is not None:
             self._live.add(req_id)
         return entry
+
+    def _held_sites(self, specs: CaptureSpec) -> list[tuple[int, int]]:
+        wanted = {site for spec in specs.values() for site in spec.sites(self.num_layers)}
+        return sorted((layer, HOOK_INDEX[hook]) for layer, hook in wanted if layer in self._held)
 
     @property
     def capturing(self) -> bool:
@@ -117,6 +121,8 @@ class CaptureStore:
 
     def site_reads(self, plan: ReadPlan, device: torch.device) -> StepReads | None:
         """What the site ops read this step: the planned rows, at the sites some request of the step wants."""
+        # A rank that runs none of the step's consumers plans the same rows (so it runs eagerly too) but reads
+        # nothing.
         sites = frozenset(site for reads in plan.reads for site in self._entries[reads.req_id].sites)
         if not sites:
             return None
@@ -249,7 +255,7 @@ class CaptureStore:
         else:
             tensors = {n: torch.empty(0, table.shape[-1], dtype=table.dtype) for n in names}
         meta = CaptureMeta(
-            request_id=external_request_id(entry.req_id), tag=spec.tag, model=self.model,
+            request_id=self.external_id(entry.req_id), tag=spec.tag, model=self.model,
             prompt_len=entry.prompt_len, positions=present, sites=names,
             dtype=str(table.dtype).removeprefix("torch."), options=spec.options,
         )

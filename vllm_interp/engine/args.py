@@ -5,16 +5,15 @@ from typing import Any
 
 from vllm_interp.capture.plugins import configure_consumers
 from vllm_interp.config import InterpConfig
+from vllm_interp.engine.versions import adapter
 from vllm_interp.models.registry import check_architecture
-
-CPU_WORKER = "vllm_interp.engine.cpu_worker.InterpCPUWorker"
-GPU_WORKER = "vllm_interp.engine.worker.InterpGPUWorker"
 
 
 def platform_worker_cls() -> str:
     from vllm.platforms import current_platform
 
-    return CPU_WORKER if current_platform.is_cpu() else GPU_WORKER
+    internals = adapter()
+    return internals.CPU_WORKER if current_platform.is_cpu() else internals.GPU_WORKER
 
 
 def check_model_architecture(model: str, *, model_impl: str = "auto", trust_remote_code: bool = False) -> None:
@@ -38,8 +37,9 @@ def interp_engine_args(
         return worker_cls, additional_config
     # Unknown consumers and bad options fail here, before an engine starts.
     configure_consumers(config.consumers)
-    if worker_cls not in ("auto", CPU_WORKER, GPU_WORKER):
+    internals = adapter()
+    if worker_cls not in ("auto", internals.CPU_WORKER, internals.GPU_WORKER):
         raise ValueError(f"vllm-interp needs its own worker class; got worker_cls={worker_cls!r}")
-    # The sites hook V1 GPUModelRunner._model_forward; vLLM would otherwise pick V2 for dense GPU models.
-    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    for name, value in internals.engine_env().items():
+        os.environ.setdefault(name, value)
     return platform_worker_cls(), config.to_additional_config(additional_config)

@@ -11,16 +11,14 @@ def load() -> None:
     global _loaded
     if _loaded:
         return
-    from vllm_interp.compat import check_vllm_version
+    from vllm_interp.engine.versions import adapter
 
-    check_vllm_version()
+    internals = adapter()  # refuses an unsupported vLLM
     # Register the site op before any model is traced in this process.
     import vllm_interp.models.site_ops  # noqa: F401
-    from vllm_interp.engine import prefix_cache_keys, scheduler_gate
 
     # Engine core: salt block hashes of steered requests, and hold requests that have no steering slot
     # (both are no-ops in processes that never hash or schedule, and for requests without steering).
-    prefix_cache_keys.install()
-    scheduler_gate.install()
+    internals.install_engine_core_patches()
 
     _loaded = True

@@ -140,20 +140,20 @@ def install_sites(
     max_tokens: int,
     steer_rows: int,
     patch_slots: int,
+    is_held: Callable[[nn.Module], bool],
 ) -> SiteBank:
-    """Install the three sites on every decoder layer this rank holds; returns their buffers.
+    """Install the three sites on every decoder layer this rank holds (``is_held``: not a placeholder for
+    a layer another pipeline stage holds); returns their buffers.
 
     ``steer_rows`` is the height of each layer's steering table (1: steering off, only the zero row);
     ``patch_slots`` that of the patch value table (1: patching off).
     """
-    from vllm.model_executor.models.utils import PPMissingLayer
-
     architecture = type(model).__name__
     sites = SUPPORTED_ARCHITECTURES.get(architecture)
     if sites is None:
         raise UnsupportedArchitecture(unsupported_message(architecture))
     layers = attrgetter(sites.layers)(model)
-    held = [index for index, layer in enumerate(layers) if not isinstance(layer, PPMissingLayer)]
+    held = [index for index, layer in enumerate(layers) if is_held(layer)]
     if not held:
         raise UnsupportedArchitecture(f"{architecture}: found no decoder layers at {sites.layers!r}")
     # Patching off: one-token index rows suffice (the op never reads them).

@@ -19,13 +19,13 @@ import numpy as np
 import torch
 
 from vllm_interp.capture.results import ConsumerResult
-from vllm_interp.engine.row_plan import BatchSlice
 from vllm_interp.hooks import HOOK_INDEX, site_name
 from vllm_interp.models.registry import SiteBank
 from vllm_interp.models.site_ops import StepPatches
 from vllm_interp.patching.sources import SourceRun, SourceStore
 from vllm_interp.patching.spec import PatchSpec
 from vllm_interp.request_args import interp_args
+from vllm_interp.row_plan import BatchSlice
 
 # The name under which a request's patch status travels with its capture results.
 PATCH_RESULT = "patch"

@@ -5,7 +5,6 @@ folds our flags into ``worker_cls`` and ``additional_config`` and hands the name
 """
 
 import argparse
-import os
 
 from vllm_interp.config import (
     DEFAULT_MAX_CAPTURE_BYTES_PER_REQUEST,
@@ -22,15 +21,14 @@ from vllm_interp.config import (
 )
 from vllm_interp.default_model import resolve_model
 from vllm_interp.engine.args import check_model_architecture, interp_engine_args
+from vllm_interp.engine.versions import adapter
 from vllm_interp.server.auth import API_KEY_ENV
 from vllm_interp.server.plugin import PLUGIN_NAME
 from vllm_interp.steering.files import parse_named_file
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
-    from vllm.entrypoints.cli.serve import ServeSubcommand
-
-    command = ServeSubcommand()
+    command = adapter("serve").serve_subcommand()
     parser = command.subparser_init(subparsers)
     parser.usage = "vllm-interp serve [model_tag] [vllm serve options] [vllm-interp options]"
     parser.description = (
@@ -120,7 +118,7 @@ def serve(command, args: argparse.Namespace) -> None:
     args.worker_cls, args.additional_config = interp_engine_args(
         config, worker_cls=args.worker_cls, additional_config=args.additional_config
     )
-    _allow_endpoint_plugin()
+    adapter("serve").allow_plugins("vllm_interp", PLUGIN_NAME)
     command.validate(args)
     command.cmd(args)
 
@@ -128,35 +126,10 @@ def serve(command, args: argparse.Namespace) -> None:
 def _refuse_several_api_servers(args: argparse.Namespace) -> None:
     """Global steering, named vectors and the patch-source bookkeeping live in the API-server process: several
     API servers would each keep their own copy, and a request would see whichever its server holds."""
-    count = _api_servers(args)
+    count = adapter("serve").api_server_count(args)
     if count > 1:
         raise ValueError(
             f"vllm-interp features need a single API server, but these flags start {count} (--api-server-count, or "
             "data parallelism's default of one per rank): each would keep its own global steering and named "
             "vectors. Pass --api-server-count 1 (--data-parallel-multi-port-external-lb always starts several)"
         )
-
-
-def _api_servers(args: argparse.Namespace) -> int:
-    """How many API-server processes ``vllm serve`` starts for these flags: ``--api-server-count`` when given;
-    else, with data parallelism, one per rank it balances (all ranks, the local ones in hybrid mode, one per
-    local rank under --data-parallel-multi-port-external-lb), and one for an externally balanced rank."""
-    if args.data_parallel_multi_port_external_lb:
-        return args.data_parallel_size_local or 1  # one server per local rank, whatever --api-server-count says
-    if args.api_server_count is not None:
-        return args.api_server_count
-    if args.headless or args.data_parallel_external_lb or args.data_parallel_rank is not None:
-        return 1
-    if args.data_parallel_hybrid_lb or args.data_parallel_start_rank is not None:
-        return args.data_parallel_size_local or 1
-    return args.data_parallel_size
-
-
-def _allow_endpoint_plugin() -> None:
-    """vLLM loads endpoint plugins only when VLLM_PLUGINS names them, and the same list filters general
-    plugins: keep every general plugin that would load anyway and add ours."""
-    from importlib.metadata import entry_points
-
-    current = os.environ.get("VLLM_PLUGINS")
-    names = current.split(",") if current else [ep.name for ep in entry_points(group="vllm.general_plugins")]
-    os.environ["VLLM_PLUGINS"] = ",".join(dict.fromkeys([*names, "vllm_interp", PLUGIN_NAME]))

@@ -13,10 +13,10 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from vllm_interp.engine.row_plan import BatchSlice
 from vllm_interp.hooks import HOOK_INDEX, parse_site_name
 from vllm_interp.models.registry import SiteBank
 from vllm_interp.request_args import interp_args
+from vllm_interp.row_plan import BatchSlice
 from vllm_interp.steering.vectors import SteeringVectors
 
 GLOBAL_ROWS = {"prefill": 1, "decode": 2}

@@ -6,7 +6,7 @@ A module of its own because importing vLLM's CPU worker replaces ``torch.cuda.Ev
 
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from vllm_interp.engine.worker import InterpWorkerMixin
+from vllm_interp.engine.v0_26.worker import InterpWorkerMixin
 
 
 class InterpCPUWorker(InterpWorkerMixin, CPUWorker):

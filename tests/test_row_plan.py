@@ -1,6 +1,6 @@
 import numpy as np
 
-from vllm_interp.engine.row_plan import batch_slices, plan_reads
+from vllm_interp.row_plan import batch_slices, plan_reads
 
 
 def _slices():

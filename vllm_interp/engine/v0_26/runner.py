@@ -2,7 +2,8 @@
 
 Installed by the worker as a class swap on vLLM's V1 ``GPUModelRunner`` (which ``CPUModelRunner``
 subclasses); mixins cannot rely on ``__init__``, so the worker attaches the capture store and the steering
-tables after the swap. Overridden ``GPUModelRunner`` methods (vLLM 0.26), in the order a step calls them:
+tables after the swap. Overridden ``GPUModelRunner`` methods (vLLM 0.26; ``TOUCHPOINTS`` below, checked when
+the worker loads the model), in the order a step calls them:
 
 - ``_update_states``: new requests (their capture and patch specs decoded once, patch sources resolved)
   and the scheduler's finished requests, whose captures are handed to consumers;
@@ -17,10 +18,36 @@ from dataclasses import dataclass
 from functools import cache
 
 from vllm_interp.capture.store import CaptureStore
-from vllm_interp.engine.row_plan import ReadPlan, batch_slices, plan_reads
+from vllm_interp.engine.touchpoints import Touchpoint
 from vllm_interp.models.site_ops import STEP, StepPatches, StepReads
 from vllm_interp.patching.tables import PatchTables
+from vllm_interp.row_plan import ReadPlan, batch_slices, plan_reads
 from vllm_interp.steering.tables import SteeringTables
+
+_RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
+TOUCHPOINTS = (
+    Touchpoint(f"{_RUNNER}._update_states", "override", "new requests' specs are decoded, finished captures handed on",
+               params=("scheduler_output",)),
+    Touchpoint(f"{_RUNNER}._prepare_inputs", "override", "the step's rows are planned once the batch is laid out"),
+    Touchpoint(f"{_RUNNER}._determine_batch_execution_and_padding", "override",
+               "a step that captures rows asks for eager execution", params=("force_eager",)),
+    Touchpoint(f"{_RUNNER}._model_forward", "override", "the plan is published to the site op around the forward"),
+    Touchpoint(f"{_RUNNER}.get_model", "call", "the sites are installed on the loaded model's decoder layers"),
+    Touchpoint("vllm.v1.core.sched.output:SchedulerOutput", "read", "requests arriving and finishing this step",
+               params=("scheduled_new_reqs", "finished_req_ids")),
+    Touchpoint("vllm.v1.worker.gpu_input_batch:CachedRequestState", "read",
+               "a request's id and sampling params (where its specs travel)", params=("req_id", "sampling_params")),
+)
+# Batch state that exists only on a live runner, checked right after the model loads.
+RUNNER_ATTRIBUTES = {
+    "requests": "each scheduled request's state (sampling params, prompt length)",
+    "input_batch.req_ids": "the batch's request order",
+    "input_batch.num_reqs": "the batch's size",
+    "input_batch.num_computed_tokens_cpu": "where each request's slice starts",
+    "query_start_loc.np": "each request's slice of the flattened batch",
+    "max_num_tokens": "the height of the site op's row buffers",
+    "device": "where the site buffers live",
+}
 
 
 @dataclass(frozen=True)
@@ -109,7 +136,7 @@ class InterpRunnerMixin:
                 return None
             store.note_progress(entry, int(positions[-1]) + 1)
             # A pipeline stage holding none of the wanted layers has nothing to read.
-            return entry.select(positions) if entry.sites else None
+            return entry.select(positions) if entry.reads_held_sites else None
 
         return plan_reads(slices, selector)
 

@@ -19,7 +19,31 @@ from typing import Any
 
 from vllm_interp.capture.spec import spec_from_wire
 from vllm_interp.config import InterpConfig
+from vllm_interp.engine.touchpoints import Touchpoint, check_attributes, check_touchpoints
 from vllm_interp.request_args import interp_args
+
+_SCHED = "vllm.v1.core.sched.scheduler:Scheduler"
+_QUEUE = "vllm.v1.core.sched.request_queue:RequestQueue"
+TOUCHPOINTS = (
+    Touchpoint("vllm.config.scheduler:SchedulerConfig.get_scheduler_cls", "patch",
+               "the engine core picks its scheduler class through it; ours rides on top of vLLM's choice"),
+    Touchpoint(f"{_SCHED}.schedule", "override", "requests without a steering slot are held around each pass"),
+    Touchpoint(f"{_SCHED}.add_request", "override", "capturing requests skip reading the prefix cache",
+               params=("request",)),
+    Touchpoint(f"{_QUEUE}.remove_requests", "call", "held requests leave the waiting queues",
+               params=("requests",)),
+    Touchpoint(f"{_QUEUE}.prepend_request", "call", "held requests return to the queue's front, in order",
+               params=("request",)),
+    Touchpoint("vllm.v1.request:Request.get_skip_reading_prefix_cache", "read",
+               "vLLM's own flag that a request skips prefix-cache reads, set here for capturing requests"),
+)
+# Scheduler state that exists only on a live scheduler, checked on its first pass.
+SCHEDULER_ATTRIBUTES = {
+    "running": "digests of running requests hold their steering slots",
+    "waiting": "requests waiting for a slot are held here",
+    "skipped_waiting": "requests waiting for a slot are held here too",
+    "vllm_config": "the steering slot limit and the global capture spec",
+}
 
 _installed = False
 
@@ -36,6 +60,7 @@ class SteeringAdmission:
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         # The engine's config is fixed: read the limit once, not on every scheduling pass.
         if not hasattr(self, "_interp_slot_limit"):
+            check_attributes(self, "Scheduler", SCHEDULER_ATTRIBUTES)
             self._interp_slot_limit = _slot_limit(self.vllm_config)
         limit = self._interp_slot_limit
         if limit is None:
@@ -97,6 +122,7 @@ def install() -> None:
     global _installed
     if _installed:
         return
+    check_touchpoints(TOUCHPOINTS)
     from vllm.config.scheduler import SchedulerConfig
 
     original = SchedulerConfig.get_scheduler_cls

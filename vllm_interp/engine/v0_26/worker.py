@@ -3,12 +3,14 @@
 ``load_model`` runs before the profile run (the first Dynamo trace) and before CUDA-graph capture, so
 every compiled graph contains the sites. The runner's class is swapped for one with the
 ``InterpRunnerMixin``; the capture store (with its consumers) and the steering tables are attached to it.
+Before anything is hooked, the worker's and the runner's touchpoints are checked against the installed vLLM.
 """
 
 import json
 from typing import Any
 
 from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
+from vllm.model_executor.models.utils import PPMissingLayer
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker
 
@@ -17,9 +19,12 @@ from vllm_interp.capture.dispatch import ConsumerRunner
 from vllm_interp.capture.plugins import configure_consumers
 from vllm_interp.capture.spec import validate_capture_spec
 from vllm_interp.capture.store import CaptureStore
-from vllm_interp.compat import check_vllm_version
 from vllm_interp.config import InterpConfig
-from vllm_interp.engine.runner import with_interp_runner
+from vllm_interp.engine.touchpoints import Touchpoint, check_attributes, check_touchpoints
+from vllm_interp.engine.v0_26 import request_ids
+from vllm_interp.engine.v0_26 import runner as runner_touchpoints
+from vllm_interp.engine.v0_26.runner import with_interp_runner
+from vllm_interp.engine.versions import check_vllm_version
 from vllm_interp.models.registry import install_sites
 from vllm_interp.patching.sources import SOURCES
 from vllm_interp.patching.tables import PATCH_RESULT, PatchTables
@@ -27,10 +32,20 @@ from vllm_interp.sae import load_saes
 from vllm_interp.steering.tables import SteeringTables, table_rows
 from vllm_interp.steering.vectors import SteeringVectors
 
+TOUCHPOINTS = (
+    Touchpoint("vllm.v1.worker.gpu_worker:Worker.load_model", "override",
+               "the sites go in after the weights load, before the profile run traces the model"),
+    Touchpoint("vllm.v1.worker.gpu_worker:Worker.shutdown", "override", "consumers drain before the process exits"),
+    Touchpoint("vllm.distributed:get_pp_group", "call", "a pipeline stage reports its own layers"),
+    Touchpoint("vllm.distributed:get_tensor_model_parallel_rank", "call", "tensor-parallel rank 0 alone consumes rows"),
+    Touchpoint("vllm.model_executor.models.utils:PPMissingLayer", "read", "layers another stage holds get no sites"),
+)
+
 
 class InterpWorkerMixin:
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         check_vllm_version()
+        check_touchpoints((*TOUCHPOINTS, *runner_touchpoints.TOUCHPOINTS, *request_ids.TOUCHPOINTS))
         super().load_model(*args, **kwargs)
         config = InterpConfig.from_additional_config(self.vllm_config.additional_config) or InterpConfig()
         runner = self.model_runner
@@ -39,6 +54,7 @@ class InterpWorkerMixin:
                 f"vllm-interp hooks vLLM's V1 model runner, but this worker runs {type(runner).__name__}; "
                 "set VLLM_USE_V2_MODEL_RUNNER=0 (vllm_interp.LLM and `vllm-interp serve` do so by default)"
             )
+        check_attributes(runner, "GPUModelRunner", runner_touchpoints.RUNNER_ATTRIBUTES)
         model_config = self.vllm_config.model_config
         steer_rows = table_rows(config.max_steering_configs) if config.enable_steering else 1
         bank = install_sites(
@@ -49,6 +65,7 @@ class InterpWorkerMixin:
             max_tokens=runner.max_num_tokens,
             steer_rows=steer_rows,
             patch_slots=config.max_patch_rows + 1 if config.enable_patching else 1,
+            is_held=lambda layer: not isinstance(layer, PPMissingLayer),
         )
         runner.__class__ = with_interp_runner(type(runner))
         runner.interp_store = self._capture_store(config, bank)
@@ -81,7 +98,7 @@ class InterpWorkerMixin:
                 runners[name] = ConsumerRunner(setup.cls(context), policy=config.capture_overload_policy,
                                                queue_bytes=setup.queue_bytes, spill_dir=setup.spill_dir)
         return CaptureStore(bank, num_layers=num_layers, model=str(model_config.served_model_name),
-                            consumers=runners, global_spec=global_spec)
+                            consumers=runners, global_spec=global_spec, external_id=request_ids.external_request_id)
 
     def interp_describe_sites(self) -> dict[str, Any]:
         return self.model_runner.interp_store.bank.descriptor()

@@ -12,7 +12,18 @@ extension point for this in vLLM 0.26, hence the patch.
 
 from typing import Any
 
+from vllm_interp.engine.touchpoints import Touchpoint, check_touchpoints
 from vllm_interp.request_args import interp_args
+
+TOUCHPOINTS = (
+    Touchpoint("vllm.v1.core.kv_cache_utils:generate_block_hash_extra_keys", "patch",
+               "the block hasher looks it up for every full block; the interventions' digest joins its keys",
+               params=("request", "start_token_idx", "end_token_idx", "start_mm_idx")),
+    Touchpoint("vllm.v1.core.block_pool:generate_block_hash_extra_keys", "patch",
+               "block_pool imported the name for KV-cache events; both must hash alike"),
+    Touchpoint("vllm.v1.request:Request", "read", "the salt reads a request's sampling params and prompt length",
+               params=("sampling_params",)),
+)
 
 SALT_TAG = "vllm_interp.interventions"
 _installed = False
@@ -33,6 +44,7 @@ def install() -> None:
     global _installed
     if _installed:
         return
+    check_touchpoints(TOUCHPOINTS)
     from vllm.v1.core import block_pool, kv_cache_utils
 
     original = kv_cache_utils.generate_block_hash_extra_keys

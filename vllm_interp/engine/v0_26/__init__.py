@@ -1,0 +1,60 @@
+"""vLLM 0.26's adapter: every place vllm-interp reaches into vLLM beyond its public extension points.
+
+Each module declares its ``TOUCHPOINTS`` (target, use, one-line reason) and checks them before it hooks
+anything; a mismatch stops start-up with ``VllmInternalsMismatch`` naming the internal and the reason.
+
+- ``prefix_cache_keys``: block-hash extra keys (patch); checked when installed, in every process.
+- ``scheduler_gate``: the scheduler class vLLM picks (patch), ``schedule``/``add_request``, request queues;
+  checked when installed, and a live scheduler's state on its first pass.
+- ``runner``: V1 ``GPUModelRunner`` step methods (override) and batch state (read); checked when a worker
+  loads the model.
+- ``worker``, ``cpu_worker``: ``Worker.load_model``/``shutdown`` (override), parallel ranks; same.
+- ``request_ids``: the engine's request-id format (the caller's id plus a random suffix); same.
+- ``serve``: the ``serve`` subcommand, its CLI environment, API-server count, ``VLLM_PLUGINS``; checked when
+  ``vllm-interp serve`` starts.
+- ``offline``: the offline ``LLM``'s engine core (shutdown) and model config; checked when
+  ``vllm_interp.LLM`` starts.
+- here: ``VLLM_USE_V2_MODEL_RUNNER``; checked when engine arguments are built.
+"""
+
+from vllm_interp.engine.touchpoints import Touchpoint, check_touchpoints
+
+CPU_WORKER = "vllm_interp.engine.v0_26.cpu_worker.InterpCPUWorker"
+GPU_WORKER = "vllm_interp.engine.v0_26.worker.InterpGPUWorker"
+
+# The runner mixin hooks the V1 runner; vLLM 0.26 would pick V2 for dense GPU models.
+ENGINE_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+ENV_TOUCHPOINTS = (
+    Touchpoint("env:VLLM_USE_V2_MODEL_RUNNER", "env", "keeps vLLM on the V1 runner the mixin hooks"),
+)
+
+
+def engine_env() -> dict[str, str]:
+    """Environment the engine's processes need (set by default, a user's own setting wins)."""
+    check_touchpoints(ENV_TOUCHPOINTS)
+    return dict(ENGINE_ENV)
+
+
+def install_engine_core_patches() -> None:
+    """Intervention-aware block hashes and the admission mixins (no-ops where nothing hashes or schedules)."""
+    from vllm_interp.engine.v0_26 import prefix_cache_keys, scheduler_gate
+
+    prefix_cache_keys.install()
+    scheduler_gate.install()
+
+
+def all_touchpoints() -> tuple[Touchpoint, ...]:
+    """Every static touchpoint of this adapter (the CPU worker's base class aside: importing it changes
+    ``torch.cuda.Event`` process-wide, so it is checked only where it is used)."""
+    from vllm_interp.engine.v0_26 import (
+        offline,
+        prefix_cache_keys,
+        request_ids,
+        runner,
+        scheduler_gate,
+        serve,
+        worker,
+    )
+
+    return (*ENV_TOUCHPOINTS, *prefix_cache_keys.TOUCHPOINTS, *scheduler_gate.TOUCHPOINTS, *runner.TOUCHPOINTS,
+            *worker.TOUCHPOINTS, *request_ids.TOUCHPOINTS, *serve.TOUCHPOINTS, *offline.TOUCHPOINTS)

@@ -1,0 +1,74 @@
+"""The ``serve`` subcommand's internals: vLLM's parser and runner, its CLI environment, how many API servers
+its flags start, and which plugins ``VLLM_PLUGINS`` lets load."""
+
+import argparse
+import os
+from typing import Any
+
+from vllm_interp.engine.touchpoints import Touchpoint, check_touchpoints
+
+TOUCHPOINTS = (
+    Touchpoint("vllm.entrypoints.cli.serve:ServeSubcommand.subparser_init", "call",
+               "`vllm-interp serve` is vLLM's own serve parser with our flags added", params=("subparsers",)),
+    Touchpoint("vllm.entrypoints.cli.serve:ServeSubcommand.validate", "call", "vLLM's checks of the parsed flags",
+               params=("args",)),
+    Touchpoint("vllm.entrypoints.cli.serve:ServeSubcommand.cmd", "call", "vLLM starts the server", params=("args",)),
+    Touchpoint("vllm.entrypoints.serve.utils.api_utils:cli_env_setup", "call",
+               "the environment `vllm serve` sets up before parsing"),
+    Touchpoint("env:VLLM_PLUGINS", "env", "endpoint plugins load only when named there"),
+    Touchpoint("vllm.utils.argparse_utils:FlexibleArgumentParser", "call",
+               "vLLM's serve parser needs vLLM's parser class (config files, --help=SECTION)"),
+)
+# Flags whose meaning api_server_count reads (vLLM's data-parallel launch rules).
+API_SERVER_FLAGS = ("api_server_count", "headless", "data_parallel_size", "data_parallel_size_local",
+                    "data_parallel_rank", "data_parallel_start_rank", "data_parallel_external_lb",
+                    "data_parallel_hybrid_lb", "data_parallel_multi_port_external_lb")
+
+
+def serve_subcommand() -> Any:
+    check_touchpoints(TOUCHPOINTS)
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+
+    return ServeSubcommand()
+
+
+def argument_parser(**kwargs: Any) -> argparse.ArgumentParser:
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    return FlexibleArgumentParser(**kwargs)
+
+
+def cli_env_setup() -> None:
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup as setup
+
+    setup()
+
+
+def api_server_count(args: argparse.Namespace) -> int:
+    """How many API-server processes ``vllm serve`` starts for these flags: ``--api-server-count`` when given;
+    else, with data parallelism, one per rank it balances (all ranks, the local ones in hybrid mode, one per
+    local rank under --data-parallel-multi-port-external-lb), and one for an externally balanced rank."""
+    if missing := [flag for flag in API_SERVER_FLAGS if not hasattr(args, flag)]:
+        from vllm_interp.engine.touchpoints import VllmInternalsMismatch
+
+        raise VllmInternalsMismatch(f"vllm serve no longer has --{missing[0].replace('_', '-')}: vllm-interp "
+                                    "cannot tell how many API servers these flags start")
+    if args.data_parallel_multi_port_external_lb:
+        return args.data_parallel_size_local or 1  # one server per local rank, whatever --api-server-count says
+    if args.api_server_count is not None:
+        return args.api_server_count
+    if args.headless or args.data_parallel_external_lb or args.data_parallel_rank is not None:
+        return 1
+    if args.data_parallel_hybrid_lb or args.data_parallel_start_rank is not None:
+        return args.data_parallel_size_local or 1
+    return args.data_parallel_size
+
+
+def allow_plugins(*names: str) -> None:
+    """vLLM loads endpoint plugins only when VLLM_PLUGINS names them, and the same list filters general
+    plugins: keep every general plugin that would load anyway and add ``names``."""
+    from importlib.metadata import entry_points
+
+    current = os.environ.get("VLLM_PLUGINS")
+    loaded = current.split(",") if current else [ep.name for ep in entry_points(group="vllm.general_plugins")]
+    os.environ["VLLM_PLUGINS"] = ",".join(dict.fromkeys([*loaded, *names]))
