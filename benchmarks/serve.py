@@ -270,7 +270,9 @@ def main() -> None:
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     common = [args.model, "--max-model-len", str(args.prompt_tokens + args.max_tokens + 16), *args.server_arg]
-    plain_env = {**os.environ, **({"VLLM_USE_V2_MODEL_RUNNER": "0"} if args.plain_runner == "v1" else {})}
+    # Plain vLLM loads none of vllm-interp's plugins (they are visible to it through entry points).
+    plain_env = {**os.environ, "VLLM_PLUGINS": "",
+                 **({"VLLM_USE_V2_MODEL_RUNNER": "0"} if args.plain_runner == "v1" else {})}
     interp_args = ["--enable-steering", "--max-steering-configs", str(max(args.concurrency, 8)), "--enable-patching",
                    "--capture-consumers", "inline", "--capture-consumers", f"filesystem:root={workdir / 'captures'}"]
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
