@@ -14,10 +14,6 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import httpx
-
-from vllm_interp.client.patch_study import PatchStudy
-
 HOOK_CHOICES = ("pre_attn", "post_attn", "post_block")
 
 
@@ -37,6 +33,9 @@ def add_trace_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_trace(args: argparse.Namespace) -> None:
+    # The client extra, imported here: the rest of the command line (serve) must not need it.
+    from vllm_interp.client.patch_study import PatchStudy
+
     with _server(args.server, args.model) as url, PatchStudy(url, api_key=args.api_key) as study:
         result = study.sweep(args.corrupt, clean_prompt=args.clean, answer=args.answer, foil=args.foil,
                              hooks=tuple(args.hooks), metric=args.metric)
@@ -49,6 +48,8 @@ def run_trace(args: argparse.Namespace) -> None:
 
 @contextmanager
 def _server(url: str | None, model: str | None) -> Iterator[str]:
+    import httpx
+
     if url is not None:
         yield url
         return
