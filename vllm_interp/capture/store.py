@@ -40,8 +40,8 @@ class _Entry:
     # Every spec of the request, whether or not this rank runs its consumer: the positions read and whether
     # a step reads at all (and so runs eagerly) must be the same on every tensor-parallel rank, or one rank
     # replays a CUDA graph while another runs eagerly and their all-reduces no longer match.
-    all_specs: CaptureSpec = field(default_factory=dict)
-    reads_held_sites: bool = False  # some spec wants a site this pipeline stage holds
+    all_specs: CaptureSpec
+    reads_held_sites: bool  # some spec wants a site this pipeline stage holds
     # Per step: (positions, [len(sites), k, hidden]); a recomputed position (after preemption) appears again.
     chunks: list[tuple[np.ndarray, torch.Tensor]] = field(default_factory=list)
     num_computed: int = 0

