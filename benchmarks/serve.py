@@ -22,6 +22,7 @@ import argparse
 import http.client
 import json
 import os
+import re
 import statistics
 import subprocess
 import time
@@ -212,13 +213,20 @@ def ratio(feature: float | None, baseline: float | None) -> float | None:
     return None if feature is None or baseline is None or baseline == 0 else feature / baseline
 
 
-def report(bench: Bench, started: str, card: str, wall_s: float) -> str:
+def kv_cache_tokens(log: Path) -> str:
+    """The KV cache size the server's engine reported (unequal caches would make the ratios measure queueing)."""
+    match = re.search(r"GPU KV cache size: ([\d,]+) tokens", log.read_text(errors="replace"))
+    return match.group(1) if match else "unknown"
+
+
+def report(bench: Bench, started: str, card: str, wall_s: float, kv_tokens: tuple[str, str]) -> str:
     args = bench.args
     lines = [f"# Serving: plain vLLM vs vllm-interp ({date.today().isoformat()})", "",
              f"- Card: {card}", f"- Model: `{args.model}` ({bench.layers} layers, hidden {bench.hidden})",
              f"- Requests: {args.requests} at concurrency {args.concurrency} ({args.requests_c1} one at a time for "
              f"idle_c1), {args.prompt_tokens} random prompt tokens, {args.max_tokens} generated (ignore_eos), greedy",
              f"- Plain vLLM runner: {args.plain_runner}; server args: `{' '.join(args.server_arg)}`",
+             f"- KV cache: plain {kv_tokens[0]} tokens, vllm-interp {kv_tokens[1]} tokens",
              f"- Started {started}; {args.rounds} rounds, A (plain) then B (vllm-interp) per workload; {wall_s:.0f} s",
              "", "| round | workload | TTFT ms A / B | TPOT ms A / B | tok/s A / B | TTFT ratio | TPOT ratio | "
              "throughput ratio | latency ratio | errors A / B |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -283,6 +291,7 @@ def main() -> None:
         wait_healthy(plain_url, plain, workdir / "plain.log", args.start_timeout)
         wait_healthy(interp_url, interp, workdir / "interp.log", args.start_timeout)
         print(f"servers ready after {time.monotonic() - began:.0f} s", flush=True)
+        kv_tokens = (kv_cache_tokens(workdir / "plain.log"), kv_cache_tokens(workdir / "interp.log"))
         bench = Bench(args, plain_url, interp_url, config["num_hidden_layers"], config["hidden_size"],
                       config["vocab_size"])
         warm_up = [bench.body(p) for p in bench.prompts(99, 2)]  # first requests pay one-off costs; not reported
@@ -294,7 +303,7 @@ def main() -> None:
     finally:
         stop_server(plain)
         stop_server(interp)
-    text = report(bench, started, gpu_card(), time.monotonic() - began)
+    text = report(bench, started, gpu_card(), time.monotonic() - began, kv_tokens)
     Path(args.out).write_text(text)
     print(text)
 

@@ -85,3 +85,8 @@ def test_vllm_compile_key_ignores_what_is_read_at_run_time():
                                          capture_consumers=("filesystem:root=/tmp/a",)))
     assert key(base) != key(InterpConfig(enable_patching=True, capture_consumers=("filesystem:root=/tmp/a",)))
     assert key(base) != key(base, {"other": 1})
+    # The graph read buffers' height shapes the captured graphs; with no consumer there are none to size.
+    assert key(base) != key(InterpConfig(enable_steering=True, max_graph_capture_rows=8,
+                                         capture_consumers=("filesystem:root=/tmp/a",)))
+    assert key(InterpConfig(enable_steering=True)) == key(InterpConfig(enable_steering=True, max_graph_capture_rows=8))
+    assert key(InterpConfig(enable_steering=True)) != key(base)

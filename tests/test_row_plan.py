@@ -1,12 +1,16 @@
 import numpy as np
 
-from vllm_interp.row_plan import batch_slices, plan_reads
+from vllm_interp.row_plan import BatchLayout, plan_reads
+
+
+def _layout():
+    # Three requests in one step: a prompt chunk (positions 16..31), a decode token (position 40) and a
+    # fresh prompt (positions 0..4), flattened as rows 0..15, 16, 17..21.
+    return BatchLayout.of(["a", "b", "c"], np.array([0, 16, 17, 22]), np.array([16, 40, 0]))
 
 
 def _slices():
-    # Three requests in one step: a prompt chunk (positions 16..31), a decode token (position 40) and a
-    # fresh prompt (positions 0..4), flattened as rows 0..15, 16, 17..21.
-    return batch_slices(["a", "b", "c"], np.array([0, 16, 17, 22]), np.array([16, 40, 0]))
+    return _layout().slices()
 
 
 def test_batch_slices_follow_the_flattened_layout():
@@ -14,6 +18,7 @@ def test_batch_slices_follow_the_flattened_layout():
     assert (a.row_start, a.position_start, a.num_tokens) == (0, 16, 16)
     assert (b.row_start, b.position_start, b.num_tokens) == (16, 40, 1)
     assert (c.row_start, c.position_start, c.num_tokens) == (17, 0, 5)
+    assert [s.req_id for s in _layout().slices(only={"c", "a"})] == ["a", "c"]  # batch order, only those
 
 
 def test_plan_maps_positions_to_rows_in_batch_order():
@@ -40,20 +45,21 @@ def test_steering_rows_follow_each_tokens_phase():
     from vllm_interp.steering.tables import FIRST_SLOT_ROW, GLOBAL_ROWS, SteeringTables
     from vllm_interp.steering.vectors import SteeringVectors
 
-    bank = SiteBank(layers=[0], steer_index=torch.zeros(32, dtype=torch.long), steer_tables={0: torch.zeros(3, 7, 4)},
+    bank = SiteBank(layers=[0], steer_index=torch.zeros(32, dtype=torch.long), steer_table=torch.zeros(1, 3, 7, 4),
                     patch_index=torch.zeros(1, 3, 1, dtype=torch.long), patch_values=torch.zeros(1, 4),
-                    patch_alpha=torch.zeros(1))
+                    patch_alpha=torch.zeros(1), read_slot=torch.full((1,), -1), read_flags=torch.zeros(1, 3),
+                    read_out=torch.zeros(1, 3, 0, 4))
     tables = SteeringTables(bank, max_configs=2)
     vectors = SteeringVectors({"decode": {"0.post_block": np.ones(4, np.float32)}})
     slot = tables.lookup("b", {"vllm_interp": {"steering": {"vectors": vectors.to_wire(), "digest": "d"}}})
     # "a" (prompt of 20) has positions 16..31: the tier is decided per position, so its first four tokens
     # are prefill and the rest decode; "b" is one decode token; "c" a fresh prompt. No global vectors yet:
     # only "b" is steered.
-    index = tables.plan(_slices(), prompt_lens=[20, 10, 5], slots=[None, slot, None])
+    index = tables.plan(_layout(), prompt_lens=[20, 10, 5], slots=[None, slot, None])
     assert index[:16].tolist() == [0] * 16 and index[17:].tolist() == [0] * 5
     assert index[16] == FIRST_SLOT_ROW + 1  # b's decode row
     tables.set_global(SteeringVectors({"prefill": {"0.pre_attn": np.ones(4, np.float32)}}))
-    index = tables.plan(_slices(), prompt_lens=[20, 10, 5], slots=[None, slot, None])
+    index = tables.plan(_layout(), prompt_lens=[20, 10, 5], slots=[None, slot, None])
     assert index[:4].tolist() == [GLOBAL_ROWS["prefill"]] * 4 and index[4:16].tolist() == [0] * 12
     assert index[17:].tolist() == [GLOBAL_ROWS["prefill"]] * 5
-    assert torch.equal(bank.steer_tables[0][0, FIRST_SLOT_ROW], torch.ones(4))  # b's prefill row has the global
+    assert torch.equal(bank.steer_table[0, 0, FIRST_SLOT_ROW], torch.ones(4))  # b's prefill row has the global

@@ -12,12 +12,14 @@ from vllm_interp.sae import parse_sae_flag
 ADDITIONAL_CONFIG_KEY = "vllm_interp"
 # Bumped whenever the installed hook sites (their placement or the ops they call) change, so that vLLM's
 # compile cache, keyed on InterpConfig.compute_hash, never reuses a graph traced with other hooks.
-SITE_SCHEME = "residual-sites/4:" + ",".join(HOOKS)
+SITE_SCHEME = "residual-sites/5:" + ",".join(HOOKS)
 # The capture overload policies (vllm_interp.capture.dispatch); kept here so the config has no torch import.
 OVERLOAD_POLICIES = ("block", "drop", "spill")
 DEFAULT_MAX_STEERING_CONFIGS = 8
 DEFAULT_MAX_PATCH_ROWS = 1024
 DEFAULT_PATCH_SOURCE_BYTES = 1 << 30
+# Rows one CUDA-graph step can capture (per site: a [rows, hidden] buffer); steps capturing more run eagerly.
+DEFAULT_MAX_GRAPH_CAPTURE_ROWS = 256
 # Bounds the admitting process applies to what requests may ask for (docs/limits.md). The workers never
 # need them, so they are not part of InterpConfig: each front door holds its own ``FrontendLimits``.
 DEFAULT_MAX_SWEEP_CELLS = 4096
@@ -54,6 +56,9 @@ class InterpConfig:
     max_patch_rows: int = DEFAULT_MAX_PATCH_ROWS
     # Worker memory for patch source runs (least recently used runs are evicted beyond it).
     patch_source_bytes: int = DEFAULT_PATCH_SOURCE_BYTES
+    # Rows a step replaying CUDA graphs can capture (a buffer of this height per site); 0: capturing steps
+    # always run eagerly.
+    max_graph_capture_rows: int = DEFAULT_MAX_GRAPH_CAPTURE_ROWS
     # `--capture-consumers` flags: "name[:key=val,...]".
     capture_consumers: tuple[str, ...] = ()
     # A capture spec (JSON) applied to every request, besides the request's own.
@@ -73,6 +78,8 @@ class InterpConfig:
         for name, value in (("max_patch_rows", self.max_patch_rows), ("patch_source_bytes", self.patch_source_bytes)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.max_graph_capture_rows < 0:
+            raise ValueError(f"max_graph_capture_rows must be >= 0, got {self.max_graph_capture_rows}")
         names = [parse_sae_flag(flag)[0] for flag in self.saes]
         if duplicated := sorted({name for name in names if names.count(name) > 1}):
             raise ValueError(f"--sae {duplicated[0]}: given twice")
@@ -101,6 +108,11 @@ class InterpConfig:
         return [parse_consumer_spec(spec)[0] for spec in self.consumers]
 
     @property
+    def graph_read_rows(self) -> int:
+        """The height of the sites' graph read buffers: none without consumers (nothing ever reads)."""
+        return self.max_graph_capture_rows if self.consumers else 0
+
+    @property
     def hooks_needed(self) -> bool:
         return self.enable_steering or self.enable_patching or bool(self.capture_consumers)
 
@@ -110,6 +122,7 @@ class InterpConfig:
         read at run time, so changing them reuses vLLM's compile cache."""
         graph = {name: getattr(self, name) for name in GRAPH_FIELDS}
         graph["sites_installed"] = self.hooks_needed
+        graph["graph_read_rows"] = self.graph_read_rows
         return hashlib.sha256(json.dumps(graph, sort_keys=True).encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict[str, Any]:

@@ -10,7 +10,13 @@ from vllm import RequestOutput, SamplingParams
 from vllm_interp.capture.consumers.inline import ResidualReadout
 from vllm_interp.capture.limits import check_capture_bytes
 from vllm_interp.capture.spec import CaptureSpec
-from vllm_interp.config import DEFAULT_MAX_PATCH_ROWS, DEFAULT_MAX_STEERING_CONFIGS, FrontendLimits, InterpConfig
+from vllm_interp.config import (
+    DEFAULT_MAX_GRAPH_CAPTURE_ROWS,
+    DEFAULT_MAX_PATCH_ROWS,
+    DEFAULT_MAX_STEERING_CONFIGS,
+    FrontendLimits,
+    InterpConfig,
+)
 from vllm_interp.default_model import resolve_model
 from vllm_interp.engine.args import check_model_architecture, interp_engine_args
 from vllm_interp.engine.versions import adapter, check_vllm_version
@@ -71,6 +77,7 @@ class LLM(vllm.LLM):
         enable_patching: bool = False,
         max_patch_rows: int = DEFAULT_MAX_PATCH_ROWS,
         patch_source_bytes: int | None = None,
+        max_graph_capture_rows: int = DEFAULT_MAX_GRAPH_CAPTURE_ROWS,
         saes: Mapping[str, str] | None = None,
         limits: FrontendLimits | None = None,
         **kwargs: Any,
@@ -83,6 +90,7 @@ class LLM(vllm.LLM):
             enable_patching=enable_patching,
             max_patch_rows=max_patch_rows,
             **({"patch_source_bytes": patch_source_bytes} if patch_source_bytes is not None else {}),
+            max_graph_capture_rows=max_graph_capture_rows,
             capture_consumers=tuple(capture_consumers),
             capture_global=json.dumps(capture_global) if capture_global else "",
             capture_overload_policy=capture_overload_policy,

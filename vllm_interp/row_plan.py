@@ -6,7 +6,7 @@ the prompt, a whole prompt, or one decode token). Row plans are computed on the 
 rows the plan does not name (other requests, padding) are never read.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,16 +26,29 @@ class BatchSlice:
         return np.arange(self.position_start, self.position_start + self.num_tokens)
 
 
-def batch_slices(req_ids: list[str], query_start_loc: np.ndarray, num_computed: np.ndarray) -> list[BatchSlice]:
-    return [
-        BatchSlice(
-            req_id=req_id,
-            row_start=int(query_start_loc[i]),
-            position_start=int(num_computed[i]),
-            num_tokens=int(query_start_loc[i + 1] - query_start_loc[i]),
-        )
-        for i, req_id in enumerate(req_ids)
-    ]
+@dataclass(frozen=True)
+class BatchLayout:
+    """The step's flattened layout, as arrays (request ``i`` owns ``num_tokens[i]`` rows from
+    ``row_starts[i]``, holding positions from ``position_starts[i]``); cheap to build before every step."""
+
+    req_ids: list[str]
+    row_starts: np.ndarray
+    position_starts: np.ndarray
+    num_tokens: np.ndarray
+
+    @classmethod
+    def of(cls, req_ids: list[str], query_start_loc: np.ndarray, num_computed: np.ndarray) -> "BatchLayout":
+        starts = np.asarray(query_start_loc[: len(req_ids) + 1], dtype=np.int64)
+        return cls(req_ids, starts[:-1], np.asarray(num_computed[: len(req_ids)], dtype=np.int64), np.diff(starts))
+
+    def slices(self, only: Container[str] | None = None) -> list[BatchSlice]:
+        """The slices of the requests in ``only`` (all when None), in batch order: planners that act on a
+        few requests of a large batch build objects for those alone."""
+        return [
+            BatchSlice(req_id, int(self.row_starts[i]), int(self.position_starts[i]), int(self.num_tokens[i]))
+            for i, req_id in enumerate(self.req_ids)
+            if only is None or req_id in only
+        ]
 
 
 @dataclass(frozen=True)

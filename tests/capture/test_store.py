@@ -11,7 +11,7 @@ from vllm_interp.capture.spec import spec_to_wire, validate_capture_spec
 from vllm_interp.capture.store import CaptureStore
 from vllm_interp.models.registry import SiteBank
 from vllm_interp.request_args import EXTRA_ARGS_KEY
-from vllm_interp.row_plan import batch_slices, plan_reads
+from vllm_interp.row_plan import BatchLayout, plan_reads
 
 LAYERS, HIDDEN = 2, 4
 
@@ -19,9 +19,10 @@ LAYERS, HIDDEN = 2, 4
 def make_store(consumers: tuple[str, ...] = ("inline",)) -> CaptureStore:
     """``consumers=()``: a tensor-parallel rank other than 0, which runs no inline consumer."""
     bank = SiteBank(layers=[0, 1], steer_index=torch.zeros(8, dtype=torch.long),
-                    steer_tables={layer: torch.zeros(3, 1, HIDDEN) for layer in range(LAYERS)},
+                    steer_table=torch.zeros(LAYERS, 3, 1, HIDDEN),
                     patch_index=torch.zeros(LAYERS, 3, 1, dtype=torch.long), patch_values=torch.zeros(1, HIDDEN),
-                    patch_alpha=torch.zeros(1))
+                    patch_alpha=torch.zeros(1), read_slot=torch.full((1,), -1), read_flags=torch.zeros(LAYERS, 3),
+                    read_out=torch.zeros(LAYERS, 3, 0, HIDDEN))
     context = ConsumerContext("inline", {}, "m", num_layers=LAYERS, hidden_size=HIDDEN)
     runner = ConsumerRunner(InlineConsumer(context), policy="block", queue_bytes=1 << 20)
     return CaptureStore(bank, num_layers=LAYERS, model="m", consumers={name: runner for name in consumers},
@@ -36,7 +37,7 @@ def extra_args(key: str, positions) -> dict:
 
 def step(store: CaptureStore, req_id: str, start: int, tokens: int, stream: torch.Tensor) -> None:
     """One step of one request computing positions start..start+tokens; ``stream`` is [tokens, hidden]."""
-    slices = batch_slices([req_id], np.array([0, tokens]), np.array([start]))
+    slices = BatchLayout.of([req_id], np.array([0, tokens]), np.array([start])).slices()
     entry = store.lookup(req_id, None, 0)
 
     def selector(_, positions):
@@ -100,7 +101,7 @@ def test_ranks_without_the_consumer_plan_the_same_rows_and_read_none():
     plans = []
     for store in (rank0, rank1):
         entry = store.lookup("r", extra_args("k", "all"), prompt_len=5)
-        slices = batch_slices(["r"], np.array([0, 4]), np.array([0]))
+        slices = BatchLayout.of(["r"], np.array([0, 4]), np.array([0])).slices()
         plans.append(plan_reads(slices, lambda _, positions, e=entry: e.select(positions) if e.reads_held_sites
                                 else None))
     assert plans[0].num_rows == plans[1].num_rows == 4
@@ -111,3 +112,21 @@ def test_ranks_without_the_consumer_plan_the_same_rows_and_read_none():
     assert rank1.results({"k": 5}, wait_s=0) == {"k": {}}
     rank0.close()
     rank1.close()
+
+
+def test_requests_whose_positions_are_all_computed_leave_the_planning_set():
+    store = make_store()
+    store.lookup("prompt", extra_args("a", "last_prompt"), prompt_len=3)
+    store.lookup("open", extra_args("b", "all"), prompt_len=3)
+    store.lookup("listed", extra_args("c", [1, 6]), prompt_len=3)
+    step(store, "prompt", 0, 3, torch.randn(3, HIDDEN))
+    step(store, "open", 0, 3, torch.randn(3, HIDDEN))
+    step(store, "listed", 0, 3, torch.randn(3, HIDDEN))
+    # Steps plan reads for these alone: the prompt capture is done, the others may still read.
+    assert store.reading_ids == {"open", "listed"}
+    step(store, "listed", 3, 4, torch.randn(4, HIDDEN))
+    assert store.reading_ids == {"open"}
+    assert store.capturing  # all three still hold rows for their consumers
+    result = store.results({"a": 4}, wait_s=5)["a"]["inline"]
+    assert result["status"] == "ok" and result["rows"] == 1
+    store.close()

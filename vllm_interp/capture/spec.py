@@ -115,6 +115,16 @@ class ConsumerSpec(BaseModel):
             case explicit:
                 return np.isin(positions, explicit)
 
+    def last_position(self, prompt_len: int) -> int | None:
+        """The last position the spec can select (None: generated positions, without end)."""
+        match self.positions:
+            case "all" | "all_generated":
+                return None
+            case "all_prompt" | "last_prompt":
+                return prompt_len - 1
+            case explicit:
+                return max(explicit)
+
     def expected_positions(self, prompt_len: int, num_computed: int) -> list[int]:
         """Positions captured once ``num_computed`` tokens of the sequence went through the model."""
         computed = np.arange(num_computed)

@@ -8,7 +8,7 @@ global captures); whichever comes first.
 """
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +25,7 @@ from vllm_interp.models.registry import SiteBank
 from vllm_interp.models.site_ops import StepReads
 from vllm_interp.request_args import interp_args
 from vllm_interp.row_plan import ReadPlan
+from vllm_interp.uploads import copy_into, to_device
 
 logger = logging.getLogger(__name__)
 MAX_UNCLAIMED_RESULTS = 4096
@@ -45,6 +46,12 @@ class _Entry:
     # Per step: (positions, [len(sites), k, hidden]); a recomputed position (after preemption) appears again.
     chunks: list[tuple[np.ndarray, torch.Tensor]] = field(default_factory=list)
     num_computed: int = 0
+
+    @property
+    def last_position(self) -> int | None:
+        """The last position any of the request's specs can read (None: no end)."""
+        ends = [spec.last_position(self.prompt_len) for spec in self.all_specs.values()]
+        return None if None in ends else max(ends)
 
     def select(self, positions: np.ndarray) -> np.ndarray:
         masks = [spec.select(positions, self.prompt_len) for spec in self.all_specs.values()]
@@ -83,9 +90,15 @@ class CaptureStore:
         self._held = set(bank.layers)
         self._entries: dict[str, _Entry | None] = {}
         self._live: set[str] = set()  # requests whose capture is not finalized yet
+        # Live requests that may still read: one whose computed positions passed its specs' last position
+        # (a capture of prompt positions, once the prompt is done) leaves, so steps no longer plan for it.
+        self._reading: set[str] = set()
         self._by_key: dict[str, str] = {}
         self._results: dict[str, dict[str, Future]] = {}
         self._pending: list[_PendingCopy] = []
+        self._local = {layer: i for i, layer in enumerate(bank.layers)}  # layer -> its index in the site buffers
+        self._armed_rows: torch.Tensor | None = None  # graph read buffer entries the last step set
+        self._armed_sites = False
 
     # -- planning ---------------------------------------------------------------------------------------
     def lookup(self, req_id: str, extra_args: dict[str, Any] | None, prompt_len: int) -> _Entry | None:
@@ -105,6 +118,7 @@ class CaptureStore:
         self._entries[req_id] = entry
         if entry is not None:
             self._live.add(req_id)
+            self._reading.add(req_id)
         return entry
 
     def _held_sites(self, specs: CaptureSpec) -> list[tuple[int, int]]:
@@ -116,23 +130,67 @@ class CaptureStore:
         """Whether any request on this worker still captures (if not, steps need no read planning)."""
         return bool(self._live)
 
+    @property
+    def reading_ids(self) -> set[str]:
+        """The live requests that may still read: the only ones a step plans reads for."""
+        return self._reading
+
+    def live_entry(self, req_id: str) -> _Entry:
+        entry = self._entries[req_id]
+        assert entry is not None, req_id  # live entries are never None
+        return entry
+
     def note_progress(self, entry: _Entry, num_computed: int) -> None:
         entry.num_computed = max(entry.num_computed, num_computed)
+        last = entry.last_position
+        if last is not None and num_computed > last:
+            # Every position it reads is computed (a recompute after preemption would read the same rows).
+            self._reading.discard(entry.req_id)
 
     def site_reads(self, plan: ReadPlan, device: torch.device) -> StepReads | None:
-        """What the site ops read this step: the planned rows, at the sites some request of the step wants."""
-        # A rank that runs none of the step's consumers plans the same rows (so it runs eagerly too) but reads
-        # nothing.
+        """What the site ops read this step: the planned rows, at the sites some request of the step wants.
+        Within the graph row budget the graph read buffers are armed too, for the case the step replays."""
+        # A rank that runs none of the step's consumers plans the same rows (so it decides between graphs and
+        # eager execution as the others do) but reads nothing.
         sites = frozenset(site for reads in plan.reads for site in self._entries[reads.req_id].sites)
-        if not sites:
-            return None
-        return StepReads(torch.from_numpy(plan.rows).to(device, non_blocking=True), sites)
+        reads = StepReads(to_device(plan.rows, device), sites) if sites else None
+        if self.bank.graph_read_rows:
+            self._arm_graph_reads(reads if reads is not None and self.fits_graph(plan) else None)
+        return reads
+
+    def fits_graph(self, plan: ReadPlan) -> bool:
+        """Whether a step reading ``plan`` may replay CUDA graphs (the same answer on every rank)."""
+        return plan.num_rows <= self.bank.graph_read_rows
+
+    def _arm_graph_reads(self, reads: StepReads | None) -> None:
+        """Point the graph read buffers at this step's rows and sites, and clear what the last step set."""
+        bank = self.bank
+        if self._armed_rows is not None:
+            bank.read_slot[self._armed_rows] = -1
+            self._armed_rows = None
+        if reads is not None:
+            bank.read_slot[reads.rows] = torch.arange(len(reads.rows), device=reads.rows.device)
+            self._armed_rows = reads.rows
+        sites = reads.sites if reads is not None else frozenset()
+        if sites or self._armed_sites:
+            flags = np.zeros(tuple(bank.read_flags.shape), dtype=np.int32)
+            for layer, hook in sites:
+                flags[self._local[layer], hook] = 1
+            copy_into(bank.read_flags, flags)
+            self._armed_sites = bool(sites)
 
     # -- after the forward ------------------------------------------------------------------------------
     def collect(self, plan: ReadPlan, reads: StepReads) -> None:
         """Start copying this step's rows off the device, in one transfer, without waiting for it."""
-        sites = sorted(reads.out)
-        block = torch.stack([reads.out[site] for site in sites])
+        self._drain(needed=())  # file earlier steps' copies that have landed
+        if reads.out:  # the step ran eagerly: the op handed its rows over
+            sites = sorted(reads.out)
+            block = torch.stack([reads.out[site] for site in sites])
+        else:  # a graph replay read into the buffers the rows were armed in
+            sites = sorted(reads.sites)
+            layers = to_device(np.array([self._local[layer] for layer, _ in sites]), self.bank.read_out.device)
+            hooks = to_device(np.array([hook for _, hook in sites]), self.bank.read_out.device)
+            block = self.bank.read_out[layers, hooks, : len(reads.rows)]
         if block.is_cuda:
             host = torch.empty(block.shape, dtype=block.dtype, pin_memory=True)
             host.copy_(block, non_blocking=True)
@@ -142,30 +200,43 @@ class CaptureStore:
             host, event = block, None
         self._pending.append(_PendingCopy(host, sites, plan, event))
 
-    def _drain(self) -> None:
-        """File the rows of finished copies under their requests (waits for copies still in flight)."""
-        for copy in self._pending:
+    def _drain(self, needed: Container[str] | None = None) -> None:
+        """File the rows of copies that have landed under their requests. Copies holding rows of ``needed``
+        requests (every request when None) are waited for; later ones are filed only if already done, so that
+        a step never waits for the device on behalf of requests that are still running."""
+        last_needed = max((i for i, copy in enumerate(self._pending)
+                           if needed is None or any(reads.req_id in needed for reads in copy.plan.reads)), default=-1)
+        filed = 0
+        for i, copy in enumerate(self._pending):
             if copy.event is not None:
-                copy.event.synchronize()
-            column = {site: i for i, site in enumerate(copy.sites)}
-            for reads in copy.plan.reads:
-                entry = self._entries.get(reads.req_id)
-                if entry is None or not entry.sites:
-                    continue
-                stop = reads.slot_start + len(reads.positions)
-                index = torch.tensor([column[site] for site in entry.sites])
-                entry.chunks.append((reads.positions, copy.host[:, reads.slot_start : stop].index_select(0, index)))
-        self._pending.clear()
+                if i <= last_needed:
+                    copy.event.synchronize()
+                elif not copy.event.query():
+                    break  # copies land in order: the rest are in flight too
+            self._file(copy)
+            filed += 1
+        del self._pending[:filed]
+
+    def _file(self, copy: _PendingCopy) -> None:
+        column = {site: i for i, site in enumerate(copy.sites)}
+        for reads in copy.plan.reads:
+            entry = self._entries.get(reads.req_id)
+            if entry is None or not entry.sites:
+                continue
+            stop = reads.slot_start + len(reads.positions)
+            index = torch.tensor([column[site] for site in entry.sites])
+            entry.chunks.append((reads.positions, copy.host[:, reads.slot_start : stop].index_select(0, index)))
 
     # -- finishing --------------------------------------------------------------------------------------
     def finish(self, finished_req_ids: set[str]) -> None:
         """The scheduler reported these requests finished (normally or aborted)."""
         if not finished_req_ids:
             return
-        self._drain()
+        self._drain(needed=finished_req_ids)
         for req_id in finished_req_ids:
             entry = self._entries.pop(req_id, None)
             self._live.discard(req_id)
+            self._reading.discard(req_id)
             if entry is not None:
                 self._finalize(entry, None)
 
@@ -175,13 +246,14 @@ class CaptureStore:
         Finalizes requests not finalized yet, waits up to ``wait_s`` for their consumers, and returns (and
         forgets) the results of those whose consumers all finished; the caller asks again for the rest.
         """
-        self._drain()
+        self._drain(needed={self._by_key.get(key) for key in lengths})
         for key, length in lengths.items():
             req_id = self._by_key.get(key)
             entry = self._entries.get(req_id) if req_id is not None else None
             if entry is not None:
                 self._entries[req_id] = None
                 self._live.discard(req_id)
+                self._reading.discard(req_id)
                 self._finalize(entry, length)
         asked = [f for key in lengths for f in self._results.get(key, {}).values()]
         if wait_s > 0:
@@ -246,7 +318,7 @@ class CaptureStore:
             missing = sorted(set(expected) - set(present))
             message = f"positions {missing[:8]}{'...' if len(missing) > 8 else ''} were not computed by this engine"
         names = [site_name(layer, HOOKS[hook], spec.naming) for layer, hook in sites]
-        table = self.bank.steer_tables[self.bank.layers[0]]
+        table = self.bank.steer_table
         if present:
             columns = {site: i for i, site in enumerate(entry.sites)}
             picked = block.index_select(0, torch.tensor([columns[site] for site in sites]))

@@ -4,7 +4,8 @@ Hooks are installed by swapping ``module.__class__`` for a subclass (not by wrap
 parameter names, weight loading and vLLM's CustomOp dispatch are unchanged. Every hooked module holds its
 layer's index and the site op's buffers as non-persistent buffers (see ``LayerBuffers``): the step's
 steering index and the patch value table (shared by all layers), and the layer's steering table and patch
-index (shared by the layer and its post_attn module).
+index (shared by the layer and its post_attn module), and the rows a CUDA-graph replay reads: the token row ->
+read slot map (shared), the layer's per-hook read flags and read buffer.
 """
 
 from collections.abc import Callable
@@ -30,11 +31,18 @@ class LayerBuffers:
     patch_index: torch.Tensor  # [hooks, max_tokens] this layer's patch slot per token (0: not patched)
     patch_values: torch.Tensor  # [slots, hidden] the step's patch sources (shared)
     patch_alpha: torch.Tensor  # [slots] their interpolation weights (shared)
+    read_slot: torch.Tensor  # [max_tokens] read slot of each token row in a graph replay, -1: none (shared)
+    read_flags: torch.Tensor  # [hooks] whether a graph replay reads this layer's hook
+    read_out: torch.Tensor  # [hooks, graph read rows, hidden] where a graph replay reads to
 
     def attach(self, module: nn.Module) -> None:
         module.interp_layer = self.layer
-        for name in ("steer_index", "steer_table", "patch_index", "patch_values", "patch_alpha"):
+        for name in _BUFFERS:
             module.register_buffer(f"interp_{name}", getattr(self, name), persistent=False)
+
+
+_BUFFERS = ("steer_index", "steer_table", "patch_index", "patch_values", "patch_alpha", "read_slot", "read_flags",
+            "read_out")
 
 
 def visit(module: nn.Module, hidden: torch.Tensor, residual: torch.Tensor | None, hook: int,
@@ -42,7 +50,8 @@ def visit(module: nn.Module, hidden: torch.Tensor, residual: torch.Tensor | None
     """Run the site op on the stream at ``hook`` of the layer ``module`` belongs to (``hidden_in_use``: the
     layer reads ``hidden`` again after this site, so a patch must leave it as it is)."""
     site(hidden, residual, module.interp_steer_index, module.interp_steer_table, module.interp_patch_index,
-         module.interp_patch_values, module.interp_patch_alpha, module.interp_layer, hook, hidden_in_use)
+         module.interp_patch_values, module.interp_patch_alpha, module.interp_read_slot, module.interp_read_flags,
+         module.interp_read_out, module.interp_layer, hook, hidden_in_use)
 
 
 def swap_class(module: nn.Module, make: Callable[[type], type]) -> None:

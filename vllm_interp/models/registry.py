@@ -120,12 +120,24 @@ class SiteBank:
 
     layers: list[int]  # decoder layers this rank holds
     steer_index: torch.Tensor  # [max_tokens] steering-table row of each token
-    steer_tables: dict[int, torch.Tensor]  # layer -> [len(HOOKS), steer_rows, hidden]
+    # [len(layers), len(HOOKS), steer_rows, hidden] steering vectors of each held layer (in ``layers`` order;
+    # each layer's sites see their own slice), one tensor so that a table row is written in one copy.
+    steer_table: torch.Tensor
     # [len(layers), len(HOOKS), max_tokens] patch slot of each token per held layer (in ``layers`` order);
     # each layer's sites see their own slice.
     patch_index: torch.Tensor
     patch_values: torch.Tensor  # [patch_slots, hidden] slot 0 unused
     patch_alpha: torch.Tensor  # [patch_slots]
+    # What CUDA-graph replays read (see site_ops): token row -> read slot ([max_tokens], -1: not read), which
+    # held layer's hooks are read ([len(layers), len(HOOKS)]), and where to ([len(layers), len(HOOKS),
+    # graph_read_rows, hidden]; zero rows: graphs never read, steps that read run eagerly).
+    read_slot: torch.Tensor
+    read_flags: torch.Tensor
+    read_out: torch.Tensor
+
+    @property
+    def graph_read_rows(self) -> int:
+        return self.read_out.shape[2]
 
     def descriptor(self) -> dict[str, object]:
         return {"layers": self.layers, "hooks": list(HOOKS)}
@@ -140,13 +152,15 @@ def install_sites(
     max_tokens: int,
     steer_rows: int,
     patch_slots: int,
+    graph_read_rows: int,
     is_held: Callable[[nn.Module], bool],
 ) -> SiteBank:
     """Install the three sites on every decoder layer this rank holds (``is_held``: not a placeholder for
     a layer another pipeline stage holds); returns their buffers.
 
     ``steer_rows`` is the height of each layer's steering table (1: steering off, only the zero row);
-    ``patch_slots`` that of the patch value table (1: patching off).
+    ``patch_slots`` that of the patch value table (1: patching off); ``graph_read_rows`` the rows a CUDA-graph
+    replay can read (0: steps that read run eagerly).
     """
     architecture = type(model).__name__
     sites = SUPPORTED_ARCHITECTURES.get(architecture)
@@ -161,20 +175,25 @@ def install_sites(
     bank = SiteBank(
         layers=held,
         steer_index=torch.zeros(max_tokens, dtype=torch.long, device=device),
-        steer_tables={},
+        steer_table=torch.zeros(len(held), len(HOOKS), steer_rows, hidden_size, dtype=dtype, device=device),
         patch_index=torch.zeros(len(held), len(HOOKS), index_width, dtype=torch.long, device=device),
         patch_values=torch.zeros(patch_slots, hidden_size, dtype=dtype, device=device),
         patch_alpha=torch.zeros(patch_slots, dtype=dtype, device=device),
+        read_slot=torch.full((max_tokens if graph_read_rows else 1,), -1, dtype=torch.long, device=device),
+        read_flags=torch.zeros(len(held), len(HOOKS), dtype=torch.int32, device=device),
+        read_out=torch.zeros(len(held), len(HOOKS), graph_read_rows, hidden_size, dtype=dtype, device=device),
     )
     for position, index in enumerate(held):
         buffers = hook_points.LayerBuffers(
             layer=index,
             steer_index=bank.steer_index,
-            steer_table=torch.zeros(len(HOOKS), steer_rows, hidden_size, dtype=dtype, device=device),
+            steer_table=bank.steer_table[position],
             patch_index=bank.patch_index[position],
             patch_values=bank.patch_values,
             patch_alpha=bank.patch_alpha,
+            read_slot=bank.read_slot,
+            read_flags=bank.read_flags[position],
+            read_out=bank.read_out[position],
         )
         sites.install(layers[index], buffers)
-        bank.steer_tables[index] = buffers.steer_table
     return bank

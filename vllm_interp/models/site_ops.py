@@ -3,13 +3,19 @@
 ``vllm_interp::site`` does three things to the residual stream at one (layer, hook), in this order:
 
 1. **write** (patching): each patched row becomes ``lerp(x, source, alpha)``; alpha 1 is a bit-exact copy
-   of the source, and other rows are untouched bit for bit. Run eagerly, the op writes the rows the runner
-   planned for this site (``STEP.patch``); captured in a CUDA graph, it writes full width from the
-   persistent buffers (row ``r`` takes slot ``patch_index[hook, r]`` of ``patch_values``/``patch_alpha``,
-   slot 0 meaning unpatched), which the runner fills before every step, so replays patch too;
+   of the source, and other rows are untouched bit for bit;
 2. **steer**: add ``steer_table[hook, steer_index[row]]`` to every row, in place (row 0 of the table is
    zeros, so unsteered rows are unchanged bit for bit);
-3. **read**: when this step captures the site, copy the planned rows into ``STEP.reads``.
+3. **read**: when this step captures the site, copy the planned rows out.
+
+Run eagerly, the op acts on what the runner planned for the step in ``STEP`` (the patched rows, whether
+anything is steered, the rows to read, which it hands back as new tensors in ``STEP.reads``). Captured in a
+CUDA graph, it launches one kernel (site_kernel.py) that acts on every row as the persistent buffers say,
+which the runner fills before every step, so replays patch, steer and read too: row ``r`` takes patch slot
+``patch_index[hook, r]`` of ``patch_values``/``patch_alpha`` (slot 0: unpatched) and steering row
+``steer_index[r]``, and is read into row ``read_slot[r]`` of ``read_out[hook]`` (-1: not read) when
+``read_flags[hook]`` is set. ``read_out`` holds ``--max-graph-capture-rows`` rows; a step reading more runs
+eagerly.
 
 The stream is given as vLLM carries it: one tensor, or the deferred ``(hidden_states, residual)`` pair whose
 sum is the true stream; steering adds to ``residual`` when there is one (the layer's later fused add+norm
@@ -21,11 +27,9 @@ parallel residual, whose MLP reads the layer input) the write goes to ``residual
 the fused kernels updating ``residual`` in place later cannot change.
 
 Why an opaque op: vLLM traces the model once and drops Dynamo guards, so Python state read at trace time
-would be frozen into the graph. The op's body runs on every step instead. Writes and steering touch only
-module buffers that the runner updates in place (``copy_``), which the compiled graph sees as inputs, so
-they also work inside CUDA graphs. Reads hand new tensors to the host-side ``STEP`` record; a CUDA graph cannot do
-that, so the op never reads while a graph is being captured, and the runner runs the steps that read
-without graphs. Declared mutations keep Inductor from dropping the call.
+would be frozen into the graph. The op's body runs on every step instead. Everything a graph replay uses is
+a module buffer the runner updates in place (``copy_``), which the compiled graph sees as an input. Declared
+mutations keep Inductor from dropping the call.
 """
 
 from dataclasses import dataclass, field
@@ -79,22 +83,6 @@ def _write_rows(hidden: torch.Tensor, residual: torch.Tensor | None, rows: torch
         hidden.index_fill_(0, rows, 0)
 
 
-def _write_all(hidden: torch.Tensor, residual: torch.Tensor | None, slots: torch.Tensor, values: torch.Tensor,
-               alphas: torch.Tensor, hidden_in_use: bool) -> None:
-    """Patch the rows whose slot is not 0, full width and branch-free: what a CUDA graph captures, so that a
-    replay patches whatever rows the buffers name then."""
-    patched = (slots > 0).unsqueeze(1)
-    stream = hidden if residual is None else hidden + residual
-    value = torch.lerp(stream, values.index_select(0, slots), alphas.index_select(0, slots).unsqueeze(1))
-    if residual is None:
-        hidden.copy_(torch.where(patched, value, hidden))
-    elif hidden_in_use:
-        residual.copy_(torch.where(patched, value - hidden, residual))
-    else:
-        residual.copy_(torch.where(patched, value, residual))
-        hidden.masked_fill_(patched, 0)
-
-
 def _site(
     hidden: torch.Tensor,
     residual: torch.Tensor | None,
@@ -103,36 +91,45 @@ def _site(
     patch_index: torch.Tensor,
     patch_values: torch.Tensor,
     patch_alpha: torch.Tensor,
+    read_slot: torch.Tensor,
+    read_flags: torch.Tensor,
+    read_out: torch.Tensor,
     layer: int,
     hook: int,
     hidden_in_use: bool,
 ) -> None:
-    capturing = _capturing(hidden)
     width = hidden.shape[-1]
     flat_hidden = hidden.view(-1, width)
     flat_residual = None if residual is None else residual.view(-1, width)
-    # A one-row value table holds only the unused slot 0: patching is off for this engine.
-    if capturing and patch_values.shape[0] > 1:
-        _write_all(flat_hidden, flat_residual, patch_index[hook, : flat_hidden.shape[0]], patch_values, patch_alpha,
-                   hidden_in_use)
-    elif STEP.patch is not None and (planned := STEP.patch.get((layer, hook))) is not None:
-        _write_rows(flat_hidden, flat_residual, *planned, hidden_in_use)
-    target = hidden if residual is None else residual
-    # A one-row table holds only the zero row: steering is off for this engine.
-    if (STEP.steer or capturing) and steer_table.shape[1] > 1:
-        flat = target.view(-1, width)
-        flat.add_(steer_table[hook].index_select(0, steer_index[: flat.shape[0]]))
-    reads = STEP.reads
-    if reads is None or capturing or (layer, hook) not in reads.sites:
+    if _capturing(hidden):
+        # One-row tables (steering, patch values) and a zero-row read buffer mean the feature is off on this
+        # engine: the kernel is built without it, and with nothing on, not launched at all.
+        patching, steering, reading = patch_values.shape[0] > 1, steer_table.shape[1] > 1, read_out.shape[1] > 0
+        if patching or steering or reading:
+            from vllm_interp.models.site_kernel import site_in_graph
+
+            tokens = flat_hidden.shape[0]
+            site_in_graph(flat_hidden, flat_residual, steer_index, steer_table[hook] if steering else None,
+                          patch_index[hook, :tokens] if patching else None, patch_values, patch_alpha,
+                          read_slot if reading else None, read_flags[hook : hook + 1], read_out[hook], hidden_in_use)
         return
-    picked = hidden.reshape(-1, width).index_select(0, reads.rows)
-    if residual is not None:
-        picked.add_(residual.reshape(-1, width).index_select(0, reads.rows))
+    if STEP.patch is not None and (planned := STEP.patch.get((layer, hook))) is not None:
+        _write_rows(flat_hidden, flat_residual, *planned, hidden_in_use)
+    target = flat_hidden if residual is None else flat_residual
+    # A one-row table holds only the zero row: steering is off for this engine.
+    if STEP.steer and steer_table.shape[1] > 1:
+        target.add_(steer_table[hook].index_select(0, steer_index[: target.shape[0]]))
+    reads = STEP.reads
+    if reads is None or (layer, hook) not in reads.sites:
+        return
+    picked = flat_hidden.index_select(0, reads.rows)
+    if flat_residual is not None:
+        picked.add_(flat_residual.index_select(0, reads.rows))
     reads.out[(layer, hook)] = picked
 
 
-def _site_fake(hidden, residual, steer_index, steer_table, patch_index, patch_values, patch_alpha, layer, hook,
-               hidden_in_use) -> None:
+def _site_fake(hidden, residual, steer_index, steer_table, patch_index, patch_values, patch_alpha, read_slot,
+               read_flags, read_out, layer, hook, hidden_in_use) -> None:
     return None
 
 
@@ -142,7 +139,8 @@ def _register() -> None:
     lib = torch.library.Library("vllm_interp", "FRAGMENT")  # noqa: TOR901 - lives for the process
     lib.define(
         "site(Tensor(a!) hidden, Tensor(b!)? residual, Tensor steer_index, Tensor steer_table, "
-        "Tensor patch_index, Tensor patch_values, Tensor patch_alpha, int layer, int hook, bool hidden_in_use) -> ()"
+        "Tensor patch_index, Tensor patch_values, Tensor patch_alpha, Tensor read_slot, Tensor read_flags, "
+        "Tensor(c!) read_out, int layer, int hook, bool hidden_in_use) -> ()"
     )
     lib.impl("site", _site, "CompositeExplicitAutograd")
     torch.library.register_fake("vllm_interp::site", _site_fake, lib=lib)

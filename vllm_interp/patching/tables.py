@@ -26,6 +26,7 @@ from vllm_interp.patching.sources import SourceRun, SourceStore
 from vllm_interp.patching.spec import PatchSpec
 from vllm_interp.request_args import interp_args
 from vllm_interp.row_plan import BatchSlice
+from vllm_interp.uploads import to_device
 
 # The name under which a request's patch status travels with its capture results.
 PATCH_RESULT = "patch"
@@ -53,6 +54,7 @@ class PatchTables:
         self._by_key: dict[str, str] = {}
         self._statuses: dict[str, ConsumerResult] = {}
         self._dirty: tuple[torch.Tensor, ...] | None = None
+        self.patched_ids: set[str] = set()  # requests with patches to apply (the runner plans these alone)
 
     @property
     def slots(self) -> int:
@@ -66,6 +68,8 @@ class PatchTables:
         patched = None if not wire else self._resolve(req_id, PatchSpec.from_wire(wire), prompt_len,
                                                       args.get("capture_key"))
         self._by_req[req_id] = patched
+        if patched is not None and patched.error is None and len(patched.positions):
+            self.patched_ids.add(req_id)
         if patched is not None and patched.key is not None:
             self._by_key[patched.key] = req_id
         return patched
@@ -113,6 +117,7 @@ class PatchTables:
         """The scheduler reported these requests finished: keep their status until the caller asks."""
         for req_id in finished_req_ids:
             patched = self._by_req.pop(req_id, None)
+            self.patched_ids.discard(req_id)
             if patched is not None and patched.key is not None and self._by_key.pop(patched.key, None):
                 self._statuses[patched.key] = _status(patched)
         while len(self._statuses) > MAX_UNCLAIMED_STATUSES:  # callers that went away never ask
@@ -144,7 +149,7 @@ class PatchTables:
             layer_slots.append(patched.layer_slots[here])
             hooks.append(patched.hooks[here])
             rows.append(batch_slice.row_start + patched.positions[here] - start)
-            picked = torch.from_numpy(here).to(patched.values.device)
+            picked = to_device(here, patched.values.device)
             values.append(patched.values.index_select(0, picked))
             alphas.append(patched.alphas.index_select(0, picked))
             patched.applied.update(here.tolist())
@@ -153,7 +158,7 @@ class PatchTables:
         device = bank.patch_index.device
         layer_slots, hooks, rows = (np.concatenate(a) for a in (layer_slots, hooks, rows))
         values, alphas = torch.cat(values), torch.cat(alphas)
-        index = tuple(torch.from_numpy(a).to(device) for a in (layer_slots, hooks, rows))
+        index = tuple(to_device(a, device) for a in (layer_slots, hooks, rows))
         bank.patch_values[1 : count + 1].copy_(values)
         bank.patch_alpha[1 : count + 1].copy_(alphas)
         bank.patch_index[index] = torch.arange(1, count + 1, device=device)
@@ -161,8 +166,8 @@ class PatchTables:
         sites: StepPatches = {}
         for layer_slot, hook in {(int(a), int(b)) for a, b in zip(layer_slots, hooks, strict=True)}:
             picked = np.flatnonzero((layer_slots == layer_slot) & (hooks == hook))
-            at = torch.from_numpy(picked).to(device)
-            sites[(bank.layers[layer_slot], hook)] = (torch.from_numpy(rows[picked]).to(device),
+            at = to_device(picked, device)
+            sites[(bank.layers[layer_slot], hook)] = (to_device(rows[picked], device),
                                                       values.index_select(0, at), alphas.index_select(0, at))
         return sites
 

@@ -8,6 +8,7 @@ import argparse
 
 from vllm_interp.config import (
     DEFAULT_MAX_CAPTURE_BYTES_PER_REQUEST,
+    DEFAULT_MAX_GRAPH_CAPTURE_ROWS,
     DEFAULT_MAX_INTERP_BODY_BYTES,
     DEFAULT_MAX_NAMED_VECTORS,
     DEFAULT_MAX_PATCH_ROWS,
@@ -63,6 +64,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                        "capture consumer).")
     group.add_argument("--max-patch-rows", type=int, default=DEFAULT_MAX_PATCH_ROWS,
                        help="Patched rows one engine step holds (a request with more patches is refused).")
+    group.add_argument("--max-graph-capture-rows", type=int, default=DEFAULT_MAX_GRAPH_CAPTURE_ROWS,
+                       help="Rows one engine step may capture and still replay CUDA graphs (each site holds a buffer "
+                       "of this many rows); steps capturing more run eagerly. 0: capturing steps always run eagerly.")
     group.add_argument("--max-sweep-cells", type=int, default=DEFAULT_MAX_SWEEP_CELLS,
                        help="Cells one /v1/patch_sweep request may ask for (hooks x layers x positions).")
     group.add_argument("--patch-source-bytes", type=int, default=DEFAULT_PATCH_SOURCE_BYTES,
@@ -104,6 +108,7 @@ def serve(command, args: argparse.Namespace) -> None:
         enable_patching=args.enable_patching,
         max_patch_rows=args.max_patch_rows,
         patch_source_bytes=args.patch_source_bytes,
+        max_graph_capture_rows=args.max_graph_capture_rows,
         capture_consumers=tuple(args.capture_consumers),
         capture_global=args.capture_global,
         capture_overload_policy=args.capture_overload_policy,

@@ -16,8 +16,9 @@ import torch
 from vllm_interp.hooks import HOOK_INDEX, parse_site_name
 from vllm_interp.models.registry import SiteBank
 from vllm_interp.request_args import interp_args
-from vllm_interp.row_plan import BatchSlice
+from vllm_interp.row_plan import BatchLayout
 from vllm_interp.steering.vectors import SteeringVectors
+from vllm_interp.uploads import copy_into
 
 GLOBAL_ROWS = {"prefill": 1, "decode": 2}
 FIRST_SLOT_ROW = 3
@@ -47,6 +48,7 @@ class SteeringTables:
         self.bank = bank
         self.max_configs = max_configs
         self.global_vectors = SteeringVectors()
+        self._global_rows = {phase: 0 for phase in GLOBAL_ROWS}  # the row each phase's unsteered tokens take
         self._slots: dict[str, _Slot] = {}
         self._free = list(range(max_configs))
         self._by_req: dict[str, _Slot | None] = {}
@@ -56,7 +58,9 @@ class SteeringTables:
     def set_global(self, vectors: SteeringVectors) -> None:
         self.global_vectors = vectors
         for phase, row in GLOBAL_ROWS.items():
-            self._write_row(row, vectors.phase_vectors(phase))
+            phase_vectors = vectors.phase_vectors(phase)
+            self._write_row(row, phase_vectors)
+            self._global_rows[phase] = row if phase_vectors else 0
         for slot in self._slots.values():
             self._write_slot(slot)
 
@@ -90,21 +94,16 @@ class SteeringTables:
                     del self._slots[slot.digest]
                     self._free.append(slot.index)
 
-    def plan(self, slices: list[BatchSlice], prompt_lens: list[int], slots: list[_Slot | None]) -> np.ndarray | None:
+    def plan(self, layout: BatchLayout, prompt_lens: list[int], slots: list[_Slot | None]) -> np.ndarray | None:
         """Table row of every token of the step, or None when no token is steered (vectorised: this runs
         on the host before every step)."""
-        global_rows = {
-            phase: row if self.global_vectors.phase_vectors(phase) else 0 for phase, row in GLOBAL_ROWS.items()
-        }
+        global_rows = self._global_rows
         if not any(global_rows.values()) and not any(slots):
             return None
         prefill_rows = np.array([s.row("prefill") if s else global_rows["prefill"] for s in slots], dtype=np.int64)
         decode_rows = np.array([s.row("decode") if s else global_rows["decode"] for s in slots], dtype=np.int64)
-        counts = np.array([b.num_tokens for b in slices])
-        owner = np.repeat(np.arange(len(slices)), counts)
-        first_row = np.array([b.row_start for b in slices])
-        first_position = np.array([b.position_start for b in slices])
-        positions = first_position[owner] + np.arange(owner.shape[0]) - first_row[owner]
+        owner = np.repeat(np.arange(len(slots)), layout.num_tokens)
+        positions = layout.position_starts[owner] + np.arange(owner.shape[0]) - layout.row_starts[owner]
         in_prompt = positions < np.asarray(prompt_lens)[owner]
         return np.where(in_prompt, prefill_rows[owner], decode_rows[owner])
 
@@ -114,7 +113,7 @@ class SteeringTables:
         count = 0 if index is None else index.shape[0]
         target = self.bank.steer_index
         if count:
-            target[:count].copy_(torch.from_numpy(index), non_blocking=True)
+            copy_into(target[:count], index)
         if self._dirty > count:
             target[count : self._dirty].zero_()
         self._dirty = count
@@ -126,10 +125,12 @@ class SteeringTables:
             self._write_row(slot.row(phase), combined.phase_vectors(phase))
 
     def _write_row(self, row: int, vectors: dict[str, np.ndarray]) -> None:
-        for table in self.bank.steer_tables.values():
-            table[:, row].zero_()
+        """Row ``row`` of every held layer's table, in one upload (zeros where ``vectors`` has no site)."""
+        table = self.bank.steer_table
+        block = np.zeros((table.shape[0], table.shape[1], table.shape[3]), dtype=np.float32)
+        local = {layer: i for i, layer in enumerate(self.bank.layers)}
         for name, vector in vectors.items():
             layer, hook = parse_site_name(name)
-            table = self.bank.steer_tables.get(layer)
-            if table is not None:  # another pipeline stage holds this layer
-                table[HOOK_INDEX[hook], row].copy_(torch.tensor(vector))
+            if layer in local:  # else another pipeline stage holds this layer
+                block[local[layer], HOOK_INDEX[hook]] = vector
+        copy_into(table[:, :, row], torch.from_numpy(block).to(table.dtype))

@@ -9,8 +9,8 @@ the worker loads the model), in the order a step calls them:
   and the scheduler's finished requests, whose captures are handed to consumers;
 - ``_prepare_inputs``: lays out the batch (``query_start_loc``, ``num_computed_tokens``); the step is
   planned right after it;
-- ``_determine_batch_execution_and_padding``: a step that captures rows runs without CUDA graphs (captured
-  graphs never read), so traffic that does not capture keeps the graph path;
+- ``_determine_batch_execution_and_padding``: a step that captures more rows than the graph read buffers
+  hold (``--max-graph-capture-rows``) runs without CUDA graphs; others keep them;
 - ``_model_forward``: called once per real step (never for dummy or profile runs).
 """
 
@@ -21,7 +21,7 @@ from vllm_interp.capture.store import CaptureStore
 from vllm_interp.engine.touchpoints import Touchpoint
 from vllm_interp.models.site_ops import STEP, StepPatches, StepReads
 from vllm_interp.patching.tables import PatchTables
-from vllm_interp.row_plan import ReadPlan, batch_slices, plan_reads
+from vllm_interp.row_plan import BatchLayout, ReadPlan, plan_reads
 from vllm_interp.steering.tables import SteeringTables
 
 _RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
@@ -30,7 +30,7 @@ TOUCHPOINTS = (
                params=("scheduler_output",)),
     Touchpoint(f"{_RUNNER}._prepare_inputs", "override", "the step's rows are planned once the batch is laid out"),
     Touchpoint(f"{_RUNNER}._determine_batch_execution_and_padding", "override",
-               "a step that captures rows asks for eager execution", params=("force_eager",)),
+               "a step capturing more rows than graphs can read asks for eager execution", params=("force_eager",)),
     Touchpoint(f"{_RUNNER}._model_forward", "override", "the plan is published to the site op around the forward"),
     Touchpoint(f"{_RUNNER}.get_model", "call", "the sites are installed on the loaded model's decoder layers"),
     Touchpoint("vllm.v1.core.sched.output:SchedulerOutput", "read", "requests arriving and finishing this step",
@@ -86,19 +86,18 @@ class InterpRunnerMixin:
             return result  # nothing to plan: the step runs as on an engine without vllm-interp
         num_reqs = self.input_batch.num_reqs
         req_ids = self.input_batch.req_ids[:num_reqs]
-        slices = batch_slices(
-            req_ids, self.query_start_loc.np[: num_reqs + 1], self.input_batch.num_computed_tokens_cpu[:num_reqs]
-        )
-        states = [self.requests[req_id] for req_id in req_ids]
-        steer = self._plan_steering(slices, states, set(req_ids))
-        patch = None if self.interp_patching is None else self.interp_patching.plan(slices)
-        reads = self._plan_reads(slices, states)
+        layout = BatchLayout.of(req_ids, self.query_start_loc.np, self.input_batch.num_computed_tokens_cpu)
+        steer = self._plan_steering(layout, req_ids)
+        patching = self.interp_patching
+        # Patching and capture act on a few requests of a large batch: only theirs get planned.
+        patch = None if patching is None else patching.plan(layout.slices(only=patching.patched_ids))
+        reads = self._plan_reads(layout)
         self._interp_step = _StepPlan(steer, patch, reads, self.interp_store.site_reads(reads, self.device))
         return result
 
     def _determine_batch_execution_and_padding(self, *args, **kwargs):
         step = self._interp_step
-        if step is not None and step.reads.num_rows:
+        if step is not None and step.reads.num_rows and not self.interp_store.fits_graph(step.reads):
             kwargs["force_eager"] = True
         return super()._determine_batch_execution_and_padding(*args, **kwargs)
 
@@ -115,30 +114,27 @@ class InterpRunnerMixin:
             self.interp_store.collect(step.reads, step.site_reads)
         return output
 
-    def _plan_steering(self, slices, states, live) -> bool:
+    def _plan_steering(self, layout: BatchLayout, req_ids: list[str]) -> bool:
         tables = self.interp_steering
         if tables is None:
             return False
-        tables.forget_finished(live)
+        tables.forget_finished(set(req_ids))
+        states = [self.requests[req_id] for req_id in req_ids]
         slots = [tables.lookup(state.req_id, state.sampling_params.extra_args) for state in states]
-        index = tables.plan(slices, [state.num_prompt_tokens for state in states], slots)
+        index = tables.plan(layout, [state.num_prompt_tokens for state in states], slots)
         tables.load_index(index)
         return index is not None
 
-    def _plan_reads(self, slices, states) -> ReadPlan:
+    def _plan_reads(self, layout: BatchLayout) -> ReadPlan:
         store = self.interp_store
-        by_id = {state.req_id: state for state in states}
 
         def selector(req_id, positions):
-            state = by_id[req_id]
-            entry = store.lookup(req_id, state.sampling_params.extra_args, state.num_prompt_tokens)
-            if entry is None:
-                return None
+            entry = store.live_entry(req_id)
             store.note_progress(entry, int(positions[-1]) + 1)
             # A pipeline stage holding none of the wanted layers has nothing to read.
             return entry.select(positions) if entry.reads_held_sites else None
 
-        return plan_reads(slices, selector)
+        return plan_reads(layout.slices(only=store.reading_ids), selector)
 
 
 @cache

@@ -48,10 +48,17 @@ SCHEDULER_ATTRIBUTES = {
 _installed = False
 
 
+_NO_DIGEST = ""
+
+
 def steering_digest(request: Any) -> str | None:
-    params = getattr(request, "sampling_params", None)
-    wire = interp_args(params.extra_args if params is not None else None).get("steering")
-    return wire["digest"] if wire else None
+    # Every scheduling pass asks for every running and waiting request: read the spec once per request.
+    digest = getattr(request, "interp_steering_digest", None)
+    if digest is None:
+        params = getattr(request, "sampling_params", None)
+        wire = interp_args(params.extra_args if params is not None else None).get("steering")
+        digest = request.interp_steering_digest = wire["digest"] if wire else _NO_DIGEST
+    return digest or None
 
 
 class SteeringAdmission:

@@ -65,6 +65,8 @@ class InterpWorkerMixin:
             max_tokens=runner.max_num_tokens,
             steer_rows=steer_rows,
             patch_slots=config.max_patch_rows + 1 if config.enable_patching else 1,
+            # Only CUDA graphs read from these buffers.
+            graph_read_rows=config.graph_read_rows if runner.device.type == "cuda" else 0,
             is_held=lambda layer: not isinstance(layer, PPMissingLayer),
         )
         runner.__class__ = with_interp_runner(type(runner))

@@ -1,0 +1,100 @@
+"""The site op's body inside CUDA graphs: write, steer and read in one Triton kernel launch per site.
+
+A captured graph replays every kernel the op launched, on every step, whether or not a request uses a
+feature: launched one torch op at a time, the patch write, steering add and read cost about a dozen kernels per
+site (hundreds per decode step). One kernel does all three, per token row, driven by the persistent buffers
+the runner fills before each step:
+
+- **write**: a row whose ``patch_index`` slot is not 0 becomes ``lerp(stream, patch_values[slot],
+  patch_alpha[slot])``, with ATen's formula (fused multiply-add in float32, alpha 1 a bit-exact copy);
+- **steer**: a row whose ``steer_index`` is not 0 adds that row of the layer's steering table;
+- **read**: when the site's ``read_flags`` entry is set, a row whose ``read_slot`` is ``s >= 0`` stores the
+  resulting stream into row ``s`` of the site's ``read_out`` buffer, which the runner copies off after the step.
+
+Rows the buffers do not name are loaded and left alone: the results equal the eager op's (site_ops.py) bit for
+bit for alpha 0 or 1 and steering, and to one rounding for other alphas.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _site_kernel(hidden_ptr, residual_ptr, hidden_stride, residual_stride, width,
+                 steer_index_ptr, steer_table_ptr, steer_stride,
+                 patch_index_ptr, patch_values_ptr, patch_stride, patch_alpha_ptr,
+                 read_slot_ptr, read_flag_ptr, read_out_ptr, read_stride,
+                 HAS_RESIDUAL: tl.constexpr, HIDDEN_IN_USE: tl.constexpr, PATCH: tl.constexpr,
+                 STEER: tl.constexpr, READ: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < width
+    hidden_at = hidden_ptr + row * hidden_stride + cols
+    hidden = tl.load(hidden_at, mask=mask)
+    residual = hidden
+    residual_at = residual_ptr + row * residual_stride + cols
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_at, mask=mask)
+    if PATCH:
+        slot = tl.load(patch_index_ptr + row)
+        if slot > 0:
+            stream = hidden.to(tl.float32)
+            if HAS_RESIDUAL:
+                stream = (stream + residual.to(tl.float32)).to(hidden.dtype).to(tl.float32)
+            source = tl.load(patch_values_ptr + slot * patch_stride + cols, mask=mask).to(tl.float32)
+            alpha = tl.load(patch_alpha_ptr + slot).to(tl.float32)
+            diff = source - stream
+            value = tl.where(tl.abs(alpha) < 0.5, tl.fma(alpha, diff, stream), tl.fma(-diff, 1.0 - alpha, source))
+            value = value.to(hidden.dtype)
+            if HAS_RESIDUAL:
+                if HIDDEN_IN_USE:
+                    residual = (value.to(tl.float32) - hidden.to(tl.float32)).to(hidden.dtype)
+                else:
+                    residual = value
+                    hidden = tl.zeros_like(hidden)
+                    tl.store(hidden_at, hidden, mask=mask)
+                tl.store(residual_at, residual, mask=mask)
+            else:
+                hidden = value
+                tl.store(hidden_at, hidden, mask=mask)
+    if STEER:
+        steer_row = tl.load(steer_index_ptr + row)
+        if steer_row != 0:
+            vector = tl.load(steer_table_ptr + steer_row * steer_stride + cols, mask=mask).to(tl.float32)
+            if HAS_RESIDUAL:
+                residual = (residual.to(tl.float32) + vector).to(hidden.dtype)
+                tl.store(residual_at, residual, mask=mask)
+            else:
+                hidden = (hidden.to(tl.float32) + vector).to(hidden.dtype)
+                tl.store(hidden_at, hidden, mask=mask)
+    if READ:
+        read_slot = tl.load(read_slot_ptr + row)
+        if (tl.load(read_flag_ptr) != 0) & (read_slot >= 0):
+            stream = hidden
+            if HAS_RESIDUAL:
+                stream = (hidden.to(tl.float32) + residual.to(tl.float32)).to(hidden.dtype)
+            tl.store(read_out_ptr + read_slot * read_stride + cols, stream, mask=mask)
+
+
+def site_in_graph(hidden: torch.Tensor, residual: torch.Tensor | None, steer_index: torch.Tensor,
+                  steer_table: torch.Tensor | None, patch_index: torch.Tensor | None, patch_values: torch.Tensor,
+                  patch_alpha: torch.Tensor, read_slot: torch.Tensor | None, read_flag: torch.Tensor,
+                  read_out: torch.Tensor, hidden_in_use: bool) -> None:
+    """Launch the kernel over the flat ``[tokens, width]`` stream; None turns a part off (``steer_table``:
+    this hook's ``[rows, width]`` table; ``read_flag``: a one-element view of the site's flag)."""
+    rows, width = hidden.shape
+    if rows == 0:
+        return
+    block = min(1024, triton.next_power_of_2(width))
+    grid = (rows, triton.cdiv(width, block))
+    residual_arg = hidden if residual is None else residual
+    _site_kernel[grid](
+        hidden, residual_arg, hidden.stride(0), residual_arg.stride(0), width,
+        steer_index, hidden if steer_table is None else steer_table,
+        0 if steer_table is None else steer_table.stride(0),
+        steer_index if patch_index is None else patch_index, patch_values, patch_values.stride(0), patch_alpha,
+        steer_index if read_slot is None else read_slot, read_flag, read_out, read_out.stride(0),
+        HAS_RESIDUAL=residual is not None, HIDDEN_IN_USE=hidden_in_use, PATCH=patch_index is not None,
+        STEER=steer_table is not None, READ=read_slot is not None, BLOCK=block,
+    )
