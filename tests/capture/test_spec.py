@@ -242,7 +242,7 @@ def test_unknown_consumer_with_none_enabled():
     ("positions", "why"),
     [
         ([1, 2, 1], "repeat"),
-        ([3, -1], ">= 0"),
+        ([3, -1], "[0, 2147483648)"),
         ([], "empty"),
         ("first", ""),
         ("last_generated", ""),
@@ -328,3 +328,24 @@ def test_wire_round_trip_of_defaults():
 def test_validated_spec_passes_through():
     spec = validate({"inline": {"positions": "all"}})
     assert validate(spec) == spec
+
+
+def test_positions_beyond_any_sequence_are_refused_before_they_travel():
+    # 2**31 and up would not survive msgpack on the way to the engine (and no sequence is that long).
+    message = spec_error({"inline": {"positions": [3, 2**31]}})
+    assert message.startswith("capture.inline.positions") and "[0, 2147483648)" in message
+    assert validate({"inline": {"positions": [2**31 - 1]}})["inline"].positions == [2**31 - 1]
+
+
+def test_consumer_options_with_integers_beyond_64_bits_are_refused_naming_them():
+    class Anything(CaptureConsumer):  # a third-party consumer that takes any options
+        name = "anything"
+
+        @classmethod
+        def validate_options(cls, options, engine):
+            return options
+
+    with pytest.raises(CaptureSpecError) as caught:
+        validate_capture_spec({"anything": {"depth": {"levels": [1, 10**30]}}}, engine=EngineFacts(NUM_LAYERS),
+                              consumers={"anything": Anything})
+    assert str(caught.value) == "capture.anything.depth.levels.1: integer out of the 64-bit range"

@@ -12,6 +12,7 @@ from starlette.datastructures import State
 
 from vllm_interp.capture.consumers.logging import LoggingConsumer
 from vllm_interp.frontend import InterpFrontend
+from vllm_interp.request_args import HTTP_PAYLOAD
 from vllm_interp.server.request_fields import RequestFieldsMiddleware
 from vllm_interp.steering.state import SteeringState
 from vllm_interp.steering.vectors import ModelShape
@@ -76,10 +77,12 @@ def _serve(request: dict, events: Callable[[dict], list[bytes]] = vllm_events,
     state.vllm_interp_frontend = InterpFrontend(SteeringState(ModelShape(4, 8), enabled=False),
                                                 {"logging": LoggingConsumer}, patching=False, max_patch_rows=8)
     state.engine_client = Engine()
-    run = SimpleNamespace(request=None, status=None, body=[], after_message=[], engine=state.engine_client)
+    run = SimpleNamespace(request=None, payload=None, status=None, body=[], after_message=[],
+                          engine=state.engine_client)
 
     async def vllm(scope, receive, send):
         run.request = json.loads((await receive())["body"])
+        run.payload = HTTP_PAYLOAD.get()  # what vLLM's request objects put into extra_args
         await send({"type": "http.response.start", "status": status, "headers": []})
         for piece in split(events(run.request)):
             await send({"type": "http.response.body", "body": piece, "more_body": True})
@@ -121,7 +124,7 @@ def test_results_ride_on_the_last_event(split, stream_options):
     assert run.request["stream_options"] == expected_options
     ((key, length),) = run.engine.asked[0].items()
     assert length == USAGE["prompt_tokens"] + USAGE["completion_tokens"]
-    assert json.loads(run.request["vllm_xargs"]["vllm_interp"])["capture_key"] == key
+    assert run.payload["capture_key"] == key and "vllm_xargs" not in run.request
     # The client sees what vLLM sends for its own request, the last event before [DONE] with the results.
     plain = _chunks(b"".join(vllm_events(client_request)))
     assert _chunks(run.body) == [*plain[:-2], {**plain[-2], "capture_results": {"logging": RESULT}}, "[DONE]"]
@@ -147,3 +150,26 @@ def test_an_error_status_passes_through_untouched():
 
     run = _serve(REQUEST, events=rejected, status=400)
     assert run.status == 400 and run.body == rejected(run.request)[0] and run.engine.asked == []
+
+
+def test_token_chunks_as_vllm_writes_them_pass_unparsed_and_the_rest_is_parsed():
+    """vLLM writes chunks with pydantic (compact JSON): plain token chunks are told from their bytes; a finishing
+    chunk, the usage chunk, an error event and text that quotes the markers are not taken for one."""
+    from vllm.entrypoints.openai.completion.protocol import CompletionResponseStreamChoice, CompletionStreamResponse
+    from vllm.entrypoints.openai.engine.protocol import UsageInfo
+
+    from vllm_interp.server.request_fields import _plainly_a_token
+
+    def event(text: str, finish_reason: str | None = None, usage: UsageInfo | None = None, choices=True) -> bytes:
+        choice = CompletionResponseStreamChoice(index=0, text=text, logprobs=None, finish_reason=finish_reason,
+                                                stop_reason=None)
+        chunk = CompletionStreamResponse(id="cmpl-1", created=0, model="m", choices=[choice] if choices else [],
+                                         usage=usage)
+        return b"data: " + chunk.model_dump_json(exclude_unset=True).encode()
+
+    assert _plainly_a_token(event(" Paris"))
+    assert _plainly_a_token(event('"finish_reason":"stop" "usage":{ "error"'))  # quoted in text: escaped
+    assert not _plainly_a_token(event("is", finish_reason="length"))
+    assert not _plainly_a_token(event("", usage=UsageInfo(prompt_tokens=3, completion_tokens=2, total_tokens=5),
+                                      choices=False))
+    assert not _plainly_a_token(b'data: {"error": {"message": "boom"}}')

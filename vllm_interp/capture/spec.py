@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError, field_va
 
 from vllm_interp.capture.consumer import EngineFacts
 from vllm_interp.hooks import HOOK_SPELLINGS, HOOKS, Hook, Naming, canonical_hook, parse_site_name, site_name
+from vllm_interp.request_args import MAX_TOKEN_POSITION, oversized_integer
 
 PositionKeyword = Literal["all", "all_prompt", "last_prompt", "all_generated"]
 # A tag names files and directories: path segments of safe characters, never "." or "..".
@@ -65,8 +66,8 @@ class ConsumerSpec(BaseModel):
                 raise ValueError("must not be empty")
             if len(set(value)) != len(value):
                 raise ValueError("must not repeat entries")
-            if min(value) < 0:
-                raise ValueError("positions are absolute token indices and must be >= 0")
+            if min(value) < 0 or max(value) >= MAX_TOKEN_POSITION:
+                raise ValueError(f"positions are absolute token indices in [0, {MAX_TOKEN_POSITION})")
         return value
 
     @field_validator("tag")
@@ -213,6 +214,8 @@ def validate_capture_spec(
                                                    options, engine)
         except ValueError as exc:
             raise CaptureSpecError(f"{prefix}.{exc}") from None
+        if (path := oversized_integer(dict(options))) is not None:
+            raise CaptureSpecError(f"{prefix}.{path}: integer out of the 64-bit range")
         update = dict(options) if options != parsed.options else {}
         if hooks != parsed.hooks:
             update["hooks"] = hooks

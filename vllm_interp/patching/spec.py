@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from vllm_interp.hooks import HOOK_SPELLINGS, canonical_hook, parse_site_name
+from vllm_interp.request_args import MAX_TOKEN_POSITION
 from vllm_interp.steering.vectors import ModelShape, SteeringError, entry_vector
 
 FIELD = "patch"
@@ -131,7 +132,7 @@ def _source(raw: Any, where: str, shape: ModelShape, run_generation: Callable[[s
         raise PatchError(f"{where}.run: expected a run id (a non-empty string)")
     if "position" not in raw:
         raise PatchError(f"{where}.position: required with a run source")
-    position = _integer(raw["position"], f"{where}.position")
+    position = _integer(raw["position"], f"{where}.position", high=MAX_TOKEN_POSITION)
     generation = run_generation(run)
     if generation is None:
         raise PatchError(f"{where}.run: unknown source run {run!r} (GET /v1/patch_sources lists them)")
@@ -186,7 +187,7 @@ def validate_patch(raw: Any, *, shape: ModelShape, enabled: bool, max_patches: i
         if extra := sorted(set(item) - {"layer", "hook", "site", "position", "alpha", "source"}):
             raise PatchError(f"{where}.{extra[0]}: unknown field")
         layer, hook = _site(item, where, shape)
-        position = _integer(item["position"], f"{where}.position")
+        position = _integer(item["position"], f"{where}.position", high=MAX_TOKEN_POSITION)
         alpha = item.get("alpha", 1.0)
         if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not 0.0 <= alpha <= 1.0:
             raise PatchError(f"{where}.alpha: expected a number in [0, 1]")

@@ -11,6 +11,7 @@ from fastapi import FastAPI
 from starlette.datastructures import State
 
 from vllm_interp.config import FrontendLimits, InterpConfig
+from vllm_interp.engine.versions import adapter
 from vllm_interp.frontend import InterpFrontend
 from vllm_interp.server import patch_routes, steering_routes
 from vllm_interp.server.auth import configured_keys
@@ -26,6 +27,8 @@ class InterpEndpoints:
     required_tasks = ("generate",)
 
     def attach_router(self, app: FastAPI) -> None:
+        # The middleware's payloads reach the engine through vLLM's request objects: hooked before any request.
+        adapter("openai_params").install()
         app.include_router(steering_routes.router)
         app.include_router(patch_routes.router)
         app.include_router(patch_routes.sweep_router)

@@ -2,8 +2,9 @@
 
 vLLM ignores unknown top-level fields, so the fields are taken out of the JSON body here, validated (a bad
 spec is answered with 400 naming the field, before vLLM sees the request), and replaced by the normalised
-payload (``vllm_interp.frontend``) in ``vllm_xargs["vllm_interp"]`` (a JSON string: ``vllm_xargs`` admits
-no nested objects), which vLLM copies into ``SamplingParams.extra_args``. Requests are stamped even without
+payload (``vllm_interp.frontend``), which the request's handler puts into ``SamplingParams.extra_args``
+(``request_args.HTTP_PAYLOAD``, set around the handler; ``engine/v0_26/openai_params.py``). A client's own
+``vllm_xargs["vllm_interp"]`` is refused: it would skip validation. Requests are stamped even without
 fields of their own while global steering is set, so that their prefix-cache keys cover the global vectors.
 
 A request with ``capture`` or ``patch`` gets a key; once vLLM's response is complete, the results for that
@@ -46,7 +47,7 @@ from vllm_interp.frontend import (
 from vllm_interp.patching.spec import FIELD as PATCH_FIELD
 from vllm_interp.patching.spec import PatchError, PatchSpec
 from vllm_interp.patching.tables import PATCH_RESULT
-from vllm_interp.request_args import EXTRA_ARGS_KEY
+from vllm_interp.request_args import EXTRA_ARGS_KEY, HTTP_PAYLOAD
 from vllm_interp.server.bodies import BodyError, limits_of, parse_json, too_large
 from vllm_interp.server.protocol import STEERING_FIELDS, InterpRequestFields, error_body
 from vllm_interp.steering.vectors import SteeringError
@@ -99,6 +100,15 @@ class RequestFieldsMiddleware:
         prepared = rewritten.prepared
         app_scope = _with_length(scope, len(rewritten.body))
         app_receive = _replay(rewritten.body, receive)
+        token = HTTP_PAYLOAD.set(prepared.payload if prepared is not None and prepared.payload else None)
+        try:
+            await self._handle(scope, app_scope, app_receive, send, rewritten)
+        finally:
+            HTTP_PAYLOAD.reset(token)
+
+    async def _handle(self, scope: Scope, app_scope: Scope, app_receive: Receive, send: Send,
+                      rewritten: "_Rewritten") -> None:
+        prepared = rewritten.prepared
         if prepared is None or prepared.key is None:
             await self.app(app_scope, app_receive, send)
         elif rewritten.stream:
@@ -164,15 +174,13 @@ class RequestFieldsMiddleware:
         except ValidationError as exc:  # a field of the wrong JSON type
             first = exc.errors()[0]
             return _bad_request(".".join(map(str, first["loc"])), first["msg"])
-        if prepared.payload:
-            xargs: dict[str, Any] = data.get("vllm_xargs") or {}
-            xargs[EXTRA_ARGS_KEY] = json.dumps(prepared.payload)
-            data["vllm_xargs"] = xargs
         if not fields and not prepared.payload:
             return _Rewritten(body)
         stream = bool(data.get("stream"))
         strip_usage = stream and prepared.key is not None and _ask_for_usage(state, data)
-        return _Rewritten(json.dumps(data).encode(), prepared, stream, strip_usage)
+        # Re-encoded only when our fields come out or usage is asked for: the payload travels beside the body.
+        rebuilt = json.dumps(data).encode() if fields or strip_usage else body
+        return _Rewritten(rebuilt, prepared, stream, strip_usage)
 
     @staticmethod
     def _capture_spec(state: Any, data: dict[str, Any], raw: Any):
@@ -368,6 +376,8 @@ class _ResultStream:
         """What to send on for one event (given without its blank line)."""
         if event == DONE_EVENT:
             return await self._finish() + event + EVENT_END
+        if _plainly_a_token(event):
+            return self._release() + event + EVENT_END
         chunk = _event_json(event)
         usage = chunk.get("usage") if chunk.get("choices") == [] else None
         if usage is not None:
@@ -401,6 +411,14 @@ class _ResultStream:
     def _release(self) -> bytes:
         held, self._held = self._held, None
         return held[0] if held else b""
+
+
+def _plainly_a_token(event: bytes) -> bool:
+    """Whether an event is a chunk that neither finishes its choice nor carries usage or an error, told from
+    its bytes: every event of a capturing stream passes here, and parsing each one on the API server's event
+    loop would cost every stream it serves. (Generated text cannot fake these markers: its quotes are escaped.)
+    Anything else is parsed."""
+    return b'"finish_reason":null' in event and b'"usage":{' not in event and b'"error"' not in event
 
 
 def _event_json(event: bytes) -> dict[str, Any]:

@@ -10,6 +10,8 @@ anything; a mismatch stops start-up with ``VllmInternalsMismatch`` naming the in
   loads the model.
 - ``worker``, ``cpu_worker``: ``Worker.load_model``/``shutdown`` (override), parallel ranks; same.
 - ``request_ids``: the engine's request-id format (the caller's id plus a random suffix); same.
+- ``openai_params``: the OpenAI request classes' ``to_sampling_params`` (patch), so the HTTP middleware's
+  payload reaches ``extra_args`` as is; checked when the endpoint plugin attaches its routes.
 - ``serve``: the ``serve`` subcommand, its CLI environment, API-server count, ``VLLM_PLUGINS``; checked when
   ``vllm-interp serve`` starts.
 - ``offline``: the offline ``LLM``'s engine core (shutdown) and model config; checked when
@@ -48,6 +50,7 @@ def all_touchpoints() -> tuple[Touchpoint, ...]:
     ``torch.cuda.Event`` process-wide, so it is checked only where it is used)."""
     from vllm_interp.engine.v0_26 import (
         offline,
+        openai_params,
         prefix_cache_keys,
         request_ids,
         runner,
@@ -57,4 +60,5 @@ def all_touchpoints() -> tuple[Touchpoint, ...]:
     )
 
     return (*ENV_TOUCHPOINTS, *prefix_cache_keys.TOUCHPOINTS, *scheduler_gate.TOUCHPOINTS, *runner.TOUCHPOINTS,
-            *worker.TOUCHPOINTS, *request_ids.TOUCHPOINTS, *serve.TOUCHPOINTS, *offline.TOUCHPOINTS)
+            *worker.TOUCHPOINTS, *request_ids.TOUCHPOINTS, *serve.TOUCHPOINTS, *offline.TOUCHPOINTS,
+            *openai_params.TOUCHPOINTS)
