@@ -11,6 +11,7 @@ import logging
 from collections.abc import Callable, Container
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -47,7 +48,7 @@ class _Entry:
     chunks: list[tuple[np.ndarray, torch.Tensor]] = field(default_factory=list)
     num_computed: int = 0
 
-    @property
+    @cached_property
     def last_position(self) -> int | None:
         """The last position any of the request's specs can read (None: no end)."""
         ends = [spec.last_position(self.prompt_len) for spec in self.all_specs.values()]
@@ -96,7 +97,6 @@ class CaptureStore:
         self._by_key: dict[str, str] = {}
         self._results: dict[str, dict[str, Future]] = {}
         self._pending: list[_PendingCopy] = []
-        self._local = {layer: i for i, layer in enumerate(bank.layers)}  # layer -> its index in the site buffers
         self._armed_rows: torch.Tensor | None = None  # graph read buffer entries the last step set
         self._armed_sites = False
 
@@ -175,7 +175,7 @@ class CaptureStore:
         if sites or self._armed_sites:
             flags = np.zeros(tuple(bank.read_flags.shape), dtype=np.int32)
             for layer, hook in sites:
-                flags[self._local[layer], hook] = 1
+                flags[bank.layer_index[layer], hook] = 1
             copy_into(bank.read_flags, flags)
             self._armed_sites = bool(sites)
 
@@ -187,10 +187,10 @@ class CaptureStore:
             sites = sorted(reads.out)
             block = torch.stack([reads.out[site] for site in sites])
         else:  # a graph replay read into the buffers the rows were armed in
-            sites = sorted(reads.sites)
-            layers = to_device(np.array([self._local[layer] for layer, _ in sites]), self.bank.read_out.device)
-            hooks = to_device(np.array([hook for _, hook in sites]), self.bank.read_out.device)
-            block = self.bank.read_out[layers, hooks, : len(reads.rows)]
+            sites, bank = sorted(reads.sites), self.bank
+            layers = to_device(np.array([bank.layer_index[layer] for layer, _ in sites]), bank.read_out.device)
+            hooks = to_device(np.array([hook for _, hook in sites]), bank.read_out.device)
+            block = bank.read_out[layers, hooks, : len(reads.rows)]
         if block.is_cuda:
             host = torch.empty(block.shape, dtype=block.dtype, pin_memory=True)
             host.copy_(block, non_blocking=True)

@@ -9,7 +9,7 @@ read slot map (shared), the layer's per-hook read flags and read buffer.
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import cache
 
 import torch
@@ -37,12 +37,9 @@ class LayerBuffers:
 
     def attach(self, module: nn.Module) -> None:
         module.interp_layer = self.layer
-        for name in _BUFFERS:
-            module.register_buffer(f"interp_{name}", getattr(self, name), persistent=False)
-
-
-_BUFFERS = ("steer_index", "steer_table", "patch_index", "patch_values", "patch_alpha", "read_slot", "read_flags",
-            "read_out")
+        for buffer in fields(self):
+            if buffer.name != "layer":
+                module.register_buffer(f"interp_{buffer.name}", getattr(self, buffer.name), persistent=False)
 
 
 def visit(module: nn.Module, hidden: torch.Tensor, residual: torch.Tensor | None, hook: int,

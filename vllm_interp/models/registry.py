@@ -7,6 +7,7 @@ are covered by the ``TransformersForCausalLM`` entry.
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from operator import attrgetter
 from typing import Literal
 
@@ -138,6 +139,11 @@ class SiteBank:
     @property
     def graph_read_rows(self) -> int:
         return self.read_out.shape[2]
+
+    @cached_property
+    def layer_index(self) -> dict[int, int]:
+        """Held layer -> its index in the per-layer buffers (layers other stages hold are absent)."""
+        return {layer: i for i, layer in enumerate(self.layers)}
 
     def descriptor(self) -> dict[str, object]:
         return {"layers": self.layers, "hooks": list(HOOKS)}

@@ -49,7 +49,6 @@ class PatchTables:
     def __init__(self, bank: SiteBank, sources: SourceStore) -> None:
         self.bank = bank
         self.sources = sources
-        self._local = {layer: i for i, layer in enumerate(bank.layers)}
         self._by_req: dict[str, _Patched | None] = {}
         self._by_key: dict[str, str] = {}
         self._statuses: dict[str, ConsumerResult] = {}
@@ -77,7 +76,7 @@ class PatchTables:
     def _resolve(self, req_id: str, spec: PatchSpec, prompt_len: int, key: str | None) -> _Patched:
         bank = self.bank
         width, dtype, device = bank.patch_values.shape[1], bank.patch_values.dtype, bank.patch_values.device
-        mine = [e for e in spec.entries if e.layer in self._local]  # other pipeline stages patch the rest
+        mine = [e for e in spec.entries if e.layer in self.bank.layer_index]  # other pipeline stages patch the rest
         error = None
         rows = []
         runs = {}
@@ -105,7 +104,7 @@ class PatchTables:
                                                                                            device=device)
         return _Patched(
             key=key,
-            layer_slots=np.array([self._local[e.layer] for e in mine], dtype=np.int64),
+            layer_slots=np.array([self.bank.layer_index[e.layer] for e in mine], dtype=np.int64),
             hooks=np.array([HOOK_INDEX[e.hook] for e in mine], dtype=np.int64),
             positions=np.array([e.position for e in mine], dtype=np.int64),
             alphas=torch.tensor([e.alpha for e in mine], dtype=dtype).to(device),

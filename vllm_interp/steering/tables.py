@@ -128,7 +128,7 @@ class SteeringTables:
         """Row ``row`` of every held layer's table, in one upload (zeros where ``vectors`` has no site)."""
         table = self.bank.steer_table
         block = np.zeros((table.shape[0], table.shape[1], table.shape[3]), dtype=np.float32)
-        local = {layer: i for i, layer in enumerate(self.bank.layers)}
+        local = self.bank.layer_index
         for name, vector in vectors.items():
             layer, hook = parse_site_name(name)
             if layer in local:  # else another pipeline stage holds this layer
