@@ -12,9 +12,10 @@ from typing import Any
 import pytest
 import torch
 
-from vllm_interp.capture.consumer import CaptureConsumer, CaptureMeta, ConsumerContext, RequestCapture
+from vllm_interp.capture.consumer import CaptureConsumer, CaptureMeta, ConsumerContext, PendingCapture, RequestCapture
 from vllm_interp.capture.consumers.inline import InlineConsumer, ResidualReadout
 from vllm_interp.capture.dispatch import ConsumerRunner
+from vllm_interp.capture.isolation import InThread
 from vllm_interp.capture.plugins import DEFAULT_QUEUE_MB, configure_consumers
 from vllm_interp.capture.results import ConsumerResult, merge_stage_results, result_to_json
 
@@ -52,7 +53,7 @@ def base_result(capture: RequestCapture) -> ConsumerResult:
 def occupy(runner: ConsumerRunner, consumer, capture: RequestCapture) -> Future:
     """Submit ``capture`` and keep the consumer busy with it (gate closed) until the test opens the gate."""
     consumer.gate.clear()
-    future = runner.submit(capture, base_result(capture))
+    future = runner.submit(PendingCapture.of(capture), base_result(capture))
     assert consumer.started.wait(WAIT_S)
     return future
 
@@ -94,14 +95,15 @@ def make_runner(tmp_path: Path) -> Iterator[Any]:
 
     def make(policy: str = "block", queue_bytes: int = 1 << 20, **kwargs: Any) -> tuple[ConsumerRunner, GatedConsumer]:
         consumer = GatedConsumer(context())
-        runner = ConsumerRunner(consumer, policy=policy, queue_bytes=queue_bytes, spill_dir=str(tmp_path), **kwargs)
+        runner = ConsumerRunner(InThread(consumer), policy=policy, queue_bytes=queue_bytes, spill_dir=str(tmp_path),
+                                **kwargs)
         made.append(runner)
         return runner, consumer
 
     yield make
     # A failing test may leave a consumer gated: open it so the runner's thread can finish.
     for runner in made:
-        runner.consumer.gate.set()
+        runner.host.consumer.gate.set()
         runner.close()
 
 
@@ -116,18 +118,19 @@ def test_result_keeps_base_counts_and_adds_payload(make_runner):
     runner, consumer = make_runner()
     capture = make_capture("req-1")
     base = ConsumerResult(status="partial_error", message="positions [5] were not computed", rows=9, dropped=3)
-    result = runner.submit(capture, base).result(WAIT_S)
+    result = runner.submit(PendingCapture.of(capture), base).result(WAIT_S)
     assert result.status == "partial_error"
     assert result.message == "positions [5] were not computed"
     assert (result.rows, result.dropped, result.spilled) == (9, 3, 0)
     assert result.result == {"request_id": "req-1", "sites": SITES}
-    assert consumer.seen == [capture]
+    assert [seen.meta for seen in consumer.seen] == [capture.meta]
+    assert all(torch.equal(consumer.seen[0].tensors[s], capture.tensors[s]) for s in SITES)
 
 
 def test_results_resolve_in_submission_order(make_runner):
     runner, consumer = make_runner()
     captures = [make_capture(f"req-{i}", seed=i) for i in range(4)]
-    futures = [runner.submit(c, base_result(c)) for c in captures]
+    futures = [runner.submit(PendingCapture.of(c), base_result(c)) for c in captures]
     results = [f.result(WAIT_S) for f in futures]
     assert [r.result["request_id"] for r in results] == ["req-0", "req-1", "req-2", "req-3"]
     assert all(r.status == "ok" and r.rows == len(POSITIONS) * len(SITES) for r in results)
@@ -138,7 +141,7 @@ def test_consumer_exception_fails_only_its_request(make_runner):
     runner, consumer = make_runner()
     consumer.fail_on = {"req-2"}
     captures = [make_capture(f"req-{i}") for i in (1, 2, 3)]
-    results = [runner.submit(c, base_result(c)).result(WAIT_S) for c in captures]
+    results = [runner.submit(PendingCapture.of(c), base_result(c)).result(WAIT_S) for c in captures]
     assert [r.status for r in results] == ["ok", "error", "ok"]
     failed = results[1]
     assert failed.message == "RuntimeError: boom on req-2"
@@ -152,7 +155,7 @@ def test_drop_policy(make_runner):
     first, second = make_capture("req-1"), make_capture("req-2")
     first_future = occupy(runner, consumer, first)
     # The consumer still holds the first request: the second does not fit and is refused at once.
-    second_future = runner.submit(second, base_result(second))
+    second_future = runner.submit(PendingCapture.of(second), base_result(second))
     assert second_future.done()
     dropped = second_future.result()
     assert dropped.status == "error"
@@ -170,7 +173,7 @@ def test_oversized_request_is_accepted_into_an_empty_queue(make_runner):
     # A request bigger than the whole bound would otherwise never be consumed.
     runner, _ = make_runner("drop", queue_bytes=1)
     capture = make_capture("big")
-    assert runner.submit(capture, base_result(capture)).result(WAIT_S).status == "ok"
+    assert runner.submit(PendingCapture.of(capture), base_result(capture)).result(WAIT_S).status == "ok"
 
 
 def test_spill_policy(make_runner, tmp_path):
@@ -178,7 +181,7 @@ def test_spill_policy(make_runner, tmp_path):
     captures = [make_capture(f"req-{i}", seed=i) for i in range(3)]
     originals = [{name: t.clone() for name, t in c.tensors.items()} for c in captures]
     futures = [occupy(runner, consumer, captures[0])]
-    futures += [runner.submit(c, base_result(c)) for c in captures[1:]]
+    futures += [runner.submit(PendingCapture.of(c), base_result(c)) for c in captures[1:]]
     # Both requests past the bound wait on disk while the consumer is busy.
     assert len(list(tmp_path.glob("*.safetensors"))) == 2
     assert not any(f.done() for f in futures)
@@ -200,7 +203,7 @@ def test_spilled_tensors_keep_site_order(make_runner):
     runner, consumer = make_runner("spill", queue_bytes=one_capture_bytes())
     first, second = make_capture("req-1"), make_capture("req-2")
     futures = [occupy(runner, consumer, first)]
-    futures.append(runner.submit(second, base_result(second)))
+    futures.append(runner.submit(PendingCapture.of(second), base_result(second)))
     consumer.gate.set()
     results = [f.result(WAIT_S) for f in futures]
     assert results[1].spilled
@@ -215,7 +218,7 @@ def test_block_policy_waits_for_space(make_runner):
     second_future = []
 
     def submit_second() -> None:
-        second_future.append(runner.submit(second, base_result(second)))
+        second_future.append(runner.submit(PendingCapture.of(second), base_result(second)))
         submitted.set()
 
     submitter = threading.Thread(target=submit_second, daemon=True)
@@ -236,21 +239,21 @@ def test_block_policy_gives_up_on_a_stalled_consumer(make_runner):
     first, second = make_capture("req-1"), make_capture("req-2")
     first_future = occupy(runner, consumer, first)
     started = time.monotonic()
-    dropped = runner.submit(second, base_result(second)).result(WAIT_S)
+    dropped = runner.submit(PendingCapture.of(second), base_result(second)).result(WAIT_S)
     assert 0.2 <= time.monotonic() - started < WAIT_S
     assert dropped.status == "error" and dropped.dropped == len(POSITIONS) * len(SITES)
     assert "made no room in 0.2 s (stalled?)" in dropped.message
     consumer.gate.set()
     assert first_future.result(WAIT_S).status == "ok"
     third = make_capture("req-3")
-    assert runner.submit(third, base_result(third)).result(WAIT_S).status == "ok"
+    assert runner.submit(PendingCapture.of(third), base_result(third)).result(WAIT_S).status == "ok"
 
 
 def test_close_drains_the_queue_then_closes_the_consumer(make_runner):
     runner, consumer = make_runner()
     consumer.gate.clear()
     captures = [make_capture(f"req-{i}") for i in range(3)]
-    futures = [runner.submit(c, base_result(c)) for c in captures]
+    futures = [runner.submit(PendingCapture.of(c), base_result(c)) for c in captures]
     closer = threading.Thread(target=runner.close, daemon=True)
     closer.start()
     closer.join(0.1)

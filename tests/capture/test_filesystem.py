@@ -338,11 +338,11 @@ def test_disk_full_propagates_and_leaves_no_temp_file(tmp_path, monkeypatch, lay
 
 
 def test_a_write_cut_short_leaves_no_temp_file(tmp_path, monkeypatch):
-    def half_written(tensors, path, metadata):
+    def half_written(path):
         Path(path).write_bytes(b"\0" * 1000)
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(filesystem, "save_file", half_written)
+    monkeypatch.setattr(filesystem, "_safetensors_writer", lambda tensors, meta: half_written)
     with pytest.raises(OSError, match="No space left"):
         make_consumer(tmp_path).consume(make_capture(tag="t"))
     assert temp_files(tmp_path) == [] and visible_files(tmp_path) == []

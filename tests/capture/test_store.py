@@ -7,6 +7,7 @@ from vllm_interp.capture import store as store_module
 from vllm_interp.capture.consumer import ConsumerContext, EngineFacts
 from vllm_interp.capture.consumers.inline import InlineConsumer, ResidualReadout
 from vllm_interp.capture.dispatch import ConsumerRunner
+from vllm_interp.capture.isolation import InThread
 from vllm_interp.capture.spec import spec_to_wire, validate_capture_spec
 from vllm_interp.capture.store import CaptureStore
 from vllm_interp.models.registry import SiteBank
@@ -24,7 +25,7 @@ def make_store(consumers: tuple[str, ...] = ("inline",)) -> CaptureStore:
                     patch_alpha=torch.zeros(1), read_slot=torch.full((1,), -1), read_flags=torch.zeros(LAYERS, 3),
                     read_out=torch.zeros(LAYERS, 3, 0, HIDDEN))
     context = ConsumerContext("inline", {}, "m", num_layers=LAYERS, hidden_size=HIDDEN)
-    runner = ConsumerRunner(InlineConsumer(context), policy="block", queue_bytes=1 << 20)
+    runner = ConsumerRunner(InThread(InlineConsumer(context)), policy="block", queue_bytes=1 << 20)
     return CaptureStore(bank, num_layers=LAYERS, model="m", consumers={name: runner for name in consumers},
                         global_spec={}, external_id=str)
 
@@ -129,4 +130,34 @@ def test_requests_whose_positions_are_all_computed_leave_the_planning_set():
     assert store.capturing  # all three still hold rows for their consumers
     result = store.results({"a": 4}, wait_s=5)["a"]["inline"]
     assert result["status"] == "ok" and result["rows"] == 1
+    store.close()
+
+
+def test_requests_of_one_step_wanting_different_sites_get_their_own_rows():
+    """A step's block holds the union of its requests' sites; each request's rows are picked out of it (off
+    the forward path, when its consumer runs), across steps whose site sets differ."""
+    store = make_store()
+    spec = {"inline": {"hooks": {"pre_attn": [0], "post_block": [1]}, "positions": "all"}}
+    wide = validate_capture_spec(spec, engine=EngineFacts(LAYERS), consumers={"inline": InlineConsumer})
+    store.lookup("wide", {EXTRA_ARGS_KEY: {"capture": spec_to_wire(wide), "capture_key": "w"}}, prompt_len=2)
+    store.lookup("narrow", extra_args("n", "all"), prompt_len=2)
+    streams = {site: torch.randn(2, 3, HIDDEN) for site in [(0, 0), (1, 2)]}  # [step, rows, hidden] per site
+    for step_index, ids in enumerate([["wide", "narrow"], ["narrow"]]):
+        starts = np.array([0, *np.cumsum([1] * len(ids))])
+        slices = BatchLayout.of(ids, starts, np.array([step_index] * len(ids))).slices()
+        for req_id in ids:
+            store.note_progress(store.live_entry(req_id), step_index + 1)
+        plan = plan_reads(slices, lambda req_id, positions: store.live_entry(req_id).select(positions))
+        reads = store.site_reads(plan, torch.device("cpu"))
+        for site in reads.sites:
+            reads.out[site] = streams[site][step_index].index_select(0, reads.rows)
+        store.collect(plan, reads)
+    store.finish({"wide", "narrow"})
+    wide_rows = ResidualReadout.from_result(store.results({"w": 1}, wait_s=5)["w"]["inline"]["result"])
+    narrow_rows = ResidualReadout.from_result(store.results({"n": 2}, wait_s=5)["n"]["inline"]["result"])
+    assert wide_rows.positions == [0] and narrow_rows.positions == [0, 1]
+    torch.testing.assert_close(wide_rows["0.pre_attn"], streams[(0, 0)][0, :1], rtol=0, atol=0)
+    torch.testing.assert_close(wide_rows["1.post_block"], streams[(1, 2)][0, :1], rtol=0, atol=0)
+    expected = torch.stack([streams[(1, 2)][0, 1], streams[(1, 2)][1, 0]])
+    torch.testing.assert_close(narrow_rows["1.post_block"], expected, rtol=0, atol=0)
     store.close()

@@ -26,7 +26,7 @@ the stages' results for the caller.
 """
 
 import base64
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -128,6 +128,39 @@ class RequestCapture:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
+@dataclass
+class PendingCapture:
+    """A finished request's capture before its rows are gathered: ``fill`` writes them into a
+    ``[len(meta.sites), len(meta.positions), hidden]`` block that the consumer's host provides (ordinary or
+    shared memory), on the consumer's runner thread, so the worker's forward loop never copies them."""
+
+    meta: CaptureMeta
+    hidden: int
+    dtype: torch.dtype
+    fill: Callable[[torch.Tensor], None]
+
+    @classmethod
+    def of(cls, capture: RequestCapture) -> "PendingCapture":
+        """One whose rows are already tensors (spilled rows loaded back, tests)."""
+        tensors = [capture.tensors[site] for site in capture.meta.sites]
+        first = tensors[0] if tensors else torch.empty(0, 0)
+
+        def fill(block: torch.Tensor) -> None:
+            if tensors:
+                torch.stack(tensors, out=block)
+
+        return cls(capture.meta, first.shape[-1], first.dtype, fill)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return len(self.meta.sites), len(self.meta.positions), self.hidden
+
+    @property
+    def nbytes(self) -> int:
+        sites, positions, hidden = self.shape
+        return sites * positions * hidden * self.dtype.itemsize
+
+
 class CaptureConsumer:
     """Base class of capture consumers (see the module docstring for the lifecycle)."""
 
@@ -135,6 +168,10 @@ class CaptureConsumer:
     # Tensor-parallel ranks hold identical rows, so one rank (0) consumes them; a consumer whose data every
     # rank needs (patch sources, read back on each rank) runs on every rank instead.
     every_rank: ClassVar[bool] = False
+    # Where instances run unless ``--capture-consumers NAME:isolation=...`` says: ``process`` keeps heavy work
+    # (serialisation, writing, statistics) off the worker's interpreter; ``thread`` suits consumers that
+    # share state with the worker (patch sources) or whose result is the rows themselves (inline).
+    default_isolation: ClassVar[str] = "thread"
 
     def __init__(self, context: ConsumerContext) -> None:
         self.context = context

@@ -1,5 +1,8 @@
 """Running a consumer off the forward path: one thread and one bounded queue per consumer.
 
+The thread gathers each queued request's rows (``PendingCapture.fill``) and hands them to the consumer's
+host: the consumer itself on this thread, or its own process (``isolation.py``).
+
 The queue is bounded in bytes (``queue_mb``). When a finished request's rows do not fit, the engine-wide
 ``--capture-overload-policy`` decides:
 
@@ -21,9 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import torch
 from safetensors.torch import load_file, save_file
 
-from vllm_interp.capture.consumer import CaptureConsumer, RequestCapture
+from vllm_interp.capture.consumer import PendingCapture
+from vllm_interp.capture.isolation import ConsumerProcessError, InProcess, InThread, request_capture
 from vllm_interp.capture.results import ConsumerResult
 
 logger = logging.getLogger(__name__)
@@ -34,7 +39,7 @@ BLOCK_TIMEOUT_S = 60.0
 
 @dataclass
 class _Job:
-    capture: RequestCapture
+    capture: PendingCapture
     result: ConsumerResult  # status and counts so far; the consumer's outcome completes it
     future: Future
     spill_path: Path | None = None
@@ -45,11 +50,11 @@ class _Job:
 
 
 class ConsumerRunner:
-    """Feeds one consumer instance from a queue on its own thread."""
+    """Feeds one consumer (through its host) from a queue on its own thread."""
 
-    def __init__(self, consumer: CaptureConsumer, *, policy: OverloadPolicy, queue_bytes: int,
+    def __init__(self, host: InThread | InProcess, *, policy: OverloadPolicy, queue_bytes: int,
                  spill_dir: str | None = None, block_timeout_s: float = BLOCK_TIMEOUT_S) -> None:
-        self.consumer = consumer
+        self.host = host
         self.policy = policy
         self.queue_bytes = queue_bytes
         self.block_timeout_s = block_timeout_s
@@ -58,11 +63,11 @@ class ConsumerRunner:
         self._queued = 0
         self._spills = 0
         self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name=f"vllm-interp-capture-{consumer.context.name}",
+        self._thread = threading.Thread(target=self._run, name=f"vllm-interp-capture-{host.context.name}",
                                         daemon=True)
         self._thread.start()
 
-    def submit(self, capture: RequestCapture, result: ConsumerResult) -> Future:
+    def submit(self, capture: PendingCapture, result: ConsumerResult) -> Future:
         """Queue a finished request; the future resolves to its ``ConsumerResult``."""
         job = _Job(capture, result, Future())
         with self._cond:
@@ -80,7 +85,7 @@ class ConsumerRunner:
         return job.future
 
     def _dropped(self, result: ConsumerResult) -> ConsumerResult:
-        name, queued, limit = self.consumer.context.name, self._queued >> 20, self.queue_bytes >> 20
+        name, queued, limit = self.host.context.name, self._queued >> 20, self.queue_bytes >> 20
         why = (f"overload policy {self.policy}" if self.policy == "drop" else
                f"it made no room in {self.block_timeout_s:g} s (stalled?), overload policy block")
         return ConsumerResult.failed(
@@ -93,16 +98,20 @@ class ConsumerRunner:
             self._jobs.append(None)
             self._cond.notify_all()
         self._thread.join()
-        self.consumer.close()
+        self.host.close()
 
     def _spill(self, job: _Job) -> None:
         if self._spill_dir is None:
             self._spill_dir = Path(tempfile.mkdtemp(prefix="vllm-interp-spill-"))
         self._spill_dir.mkdir(parents=True, exist_ok=True)
         self._spills += 1
-        path = self._spill_dir / f"{self.consumer.context.name}-{os.getpid()}-{self._spills}.safetensors"
-        save_file(job.capture.tensors, str(path))
-        job.capture = RequestCapture(job.capture.meta, {})
+        path = self._spill_dir / f"{self.host.context.name}-{os.getpid()}-{self._spills}.safetensors"
+        pending = job.capture
+        block = torch.empty(pending.shape, dtype=pending.dtype)
+        pending.fill(block)
+        save_file({site: t.contiguous() for site, t in request_capture(pending.meta, block)}, str(path))
+        job.capture = PendingCapture(pending.meta, pending.hidden, pending.dtype,
+                                     lambda out: _load_into(path, pending.meta.sites, out))
         job.spill_path = path
         job.result = job.result.model_copy(update={"spilled": job.result.rows})
 
@@ -122,14 +131,20 @@ class ConsumerRunner:
 
     def _consume(self, job: _Job) -> ConsumerResult:
         try:
-            capture = job.capture
-            if job.spill_path is not None:
-                loaded = load_file(str(job.spill_path))  # in name order: restore the documented site order
-                capture = RequestCapture(capture.meta, {site: loaded[site] for site in capture.meta.sites})
-                job.spill_path.unlink()
-            payload = self.consumer.consume(capture)
+            payload = self.host.run(job.capture)
         except Exception as exc:  # a consumer's failure is its request's result, never the engine's
-            logger.warning("capture consumer %s failed on request %s: %s", self.consumer.context.name,
-                           job.capture.meta.request_id, exc)
-            return ConsumerResult.failed(f"{type(exc).__name__}: {exc}", dropped=job.result.rows)
+            message = str(exc) if isinstance(exc, ConsumerProcessError) else f"{type(exc).__name__}: {exc}"
+            logger.warning("capture consumer %s failed on request %s: %s", self.host.context.name,
+                           job.capture.meta.request_id, message)
+            return ConsumerResult.failed(message, dropped=job.result.rows)
+        finally:
+            if job.spill_path is not None:
+                job.spill_path.unlink()
         return job.result.model_copy(update={"result": payload})
+
+
+def _load_into(path: Path, sites: list[str], block: torch.Tensor) -> None:
+    """Spilled rows back into a block, in site order (the file keeps them in name order)."""
+    loaded = load_file(str(path))
+    for row, site in zip(block, sites, strict=True):
+        row.copy_(loaded[site])

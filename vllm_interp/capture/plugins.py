@@ -1,9 +1,10 @@
 """Finding and configuring capture consumers: the ``vllm_interp.capture_consumers`` entry-point group.
 
-``--capture-consumers NAME[:key=val,...]`` enables a consumer. Two options belong to the engine rather
-than the consumer and apply to every one: ``queue_mb`` (the consumer's queue bound, default 256) and
-``spill_dir`` (where the ``spill`` overload policy parks rows; default a temporary directory). The rest go
-to the consumer's ``validate_engine_options``.
+``--capture-consumers NAME[:key=val,...]`` enables a consumer. Three options belong to the engine rather
+than the consumer and apply to every one: ``queue_mb`` (the consumer's queue bound, default 256),
+``spill_dir`` (where the ``spill`` overload policy parks rows; default a temporary directory) and
+``isolation`` (``thread`` or ``process``: where the consumer's code runs, see ``isolation.py``; default the
+consumer class's ``default_isolation``). The rest go to the consumer's ``validate_engine_options``.
 """
 
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from vllm_interp.capture.consumer import CaptureConsumer
+from vllm_interp.capture.isolation import ISOLATIONS, Isolation
 from vllm_interp.config import parse_consumer_spec
 
 CAPTURE_CONSUMER_GROUP = "vllm_interp.capture_consumers"
@@ -25,6 +27,7 @@ class ConsumerSetup:
     options: dict[str, Any]
     queue_bytes: int
     spill_dir: str | None
+    isolation: Isolation
 
 
 @cache
@@ -56,11 +59,15 @@ def configure_consumers(specs: tuple[str, ...]) -> dict[str, ConsumerSetup]:
         queue_mb = _positive_int(options.pop("queue_mb", str(DEFAULT_QUEUE_MB)),
                                  f"--capture-consumers {name}: queue_mb")
         spill_dir = options.pop("spill_dir", None)
+        isolation = options.pop("isolation", cls.default_isolation)
+        if isolation not in ISOLATIONS:
+            raise ValueError(f"--capture-consumers {name}: isolation: expected one of {', '.join(ISOLATIONS)}, "
+                             f"got {isolation!r}")
         try:
             validated = cls.validate_engine_options(options)
         except ValueError as exc:
             raise ValueError(f"--capture-consumers {name}: {exc}") from None
-        setups[name] = ConsumerSetup(name, cls, validated, queue_mb << 20, spill_dir)
+        setups[name] = ConsumerSetup(name, cls, validated, queue_mb << 20, spill_dir, isolation)
     return setups
 
 

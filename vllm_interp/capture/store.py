@@ -17,8 +17,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_interp.capture.consumer import CaptureMeta, RequestCapture
+from vllm_interp.capture.consumer import CaptureMeta, PendingCapture
 from vllm_interp.capture.dispatch import ConsumerRunner
+from vllm_interp.capture.host_copies import HostCopier, HostCopy
 from vllm_interp.capture.results import ConsumerResult
 from vllm_interp.capture.spec import CaptureSpec, spec_from_wire
 from vllm_interp.hooks import HOOK_INDEX, HOOKS, site_name
@@ -44,8 +45,9 @@ class _Entry:
     # replays a CUDA graph while another runs eagerly and their all-reduces no longer match.
     all_specs: CaptureSpec
     reads_held_sites: bool  # some spec wants a site this pipeline stage holds
-    # Per step: (positions, [len(sites), k, hidden]); a recomputed position (after preemption) appears again.
-    chunks: list[tuple[np.ndarray, torch.Tensor]] = field(default_factory=list)
+    # Per step, the columns of its host block holding this request's rows (a recomputed position, after
+    # preemption, appears again): views, never copies, on the forward path.
+    chunks: list["_Chunk"] = field(default_factory=list)
     num_computed: int = 0
 
     @cached_property
@@ -58,24 +60,52 @@ class _Entry:
         masks = [spec.select(positions, self.prompt_len) for spec in self.all_specs.values()]
         return np.logical_or.reduce(masks)
 
-    def gathered(self) -> tuple[torch.Tensor, dict[int, int]] | None:
-        """All rows as one ``[len(sites), n, hidden]`` block, and each position's column in it (the latest
-        copy of a position computed twice)."""
+    def columns(self) -> dict[int, int]:
+        """Each position's column in the chunks laid end to end (the latest copy of a position computed twice)."""
         if not self.chunks:
-            return None
-        block = torch.cat([rows for _, rows in self.chunks], dim=1)
-        positions = np.concatenate([positions for positions, _ in self.chunks]).tolist()
-        return block, {position: column for column, position in enumerate(positions)}
+            return {}
+        positions = np.concatenate([chunk.positions for chunk in self.chunks]).tolist()
+        return {position: column for column, position in enumerate(positions)}
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    positions: np.ndarray
+    host: torch.Tensor  # the step's [step sites, rows, hidden] block
+    sites: tuple[tuple[int, int], ...]  # the step's sites, in the block's order
+    start: int
+    stop: int
+
+
+def _gather(chunks: list[_Chunk], sites: list[tuple[int, int]], columns: list[int] | None,
+            block: torch.Tensor) -> None:
+    """Write ``sites`` x the chunks' ``columns`` (all, in order, when None) into ``block``: on a consumer's
+    runner thread, off the forward path."""
+    if not block.numel():
+        return  # no positions (or no sites) captured
+    picks: dict[tuple, torch.Tensor | None] = {}
+    parts = []
+    for chunk in chunks:
+        if chunk.sites not in picks:
+            where = {site: i for i, site in enumerate(chunk.sites)}
+            index = [where[site] for site in sites]
+            picks[chunk.sites] = None if index == list(range(len(chunk.sites))) else torch.tensor(index)
+        pick = picks[chunk.sites]
+        rows = chunk.host[:, chunk.start : chunk.stop]
+        parts.append(rows if pick is None else rows.index_select(0, pick))
+    if columns is None:
+        torch.cat(parts, dim=1, out=block)
+    else:
+        torch.index_select(torch.cat(parts, dim=1), 1, torch.tensor(columns), out=block)
 
 
 @dataclass
 class _PendingCopy:
-    """A step's rows on their way to host memory (``event`` is None on the CPU)."""
+    """A step's rows on their way to host memory."""
 
-    host: torch.Tensor  # [union sites, rows, hidden]
+    rows: HostCopy  # [union sites, rows, hidden]
     sites: list[tuple[int, int]]
     plan: ReadPlan
-    event: Any
 
 
 class CaptureStore:
@@ -99,6 +129,8 @@ class CaptureStore:
         self._pending: list[_PendingCopy] = []
         self._armed_rows: torch.Tensor | None = None  # graph read buffer entries the last step set
         self._armed_sites = False
+        self._copier: HostCopier | None = None  # device -> host copies of read rows, started on first use
+        self._site_index: dict[tuple[tuple[int, int], ...], tuple[torch.Tensor, torch.Tensor]] = {}
 
     # -- planning ---------------------------------------------------------------------------------------
     def lookup(self, req_id: str, extra_args: dict[str, Any] | None, prompt_len: int) -> _Entry | None:
@@ -187,18 +219,26 @@ class CaptureStore:
             sites = sorted(reads.out)
             block = torch.stack([reads.out[site] for site in sites])
         else:  # a graph replay read into the buffers the rows were armed in
-            sites, bank = sorted(reads.sites), self.bank
-            layers = to_device(np.array([bank.layer_index[layer] for layer, _ in sites]), bank.read_out.device)
-            hooks = to_device(np.array([hook for _, hook in sites]), bank.read_out.device)
-            block = bank.read_out[layers, hooks, : len(reads.rows)]
+            sites = sorted(reads.sites)
+            layers, hooks = self._graph_site_index(tuple(sites))
+            block = self.bank.read_out[layers, hooks, : len(reads.rows)]
         if block.is_cuda:
-            host = torch.empty(block.shape, dtype=block.dtype, pin_memory=True)
-            host.copy_(block, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
+            if self._copier is None:
+                self._copier = HostCopier(block.device)
+            rows = self._copier.submit(block)
         else:
-            host, event = block, None
-        self._pending.append(_PendingCopy(host, sites, plan, event))
+            rows = HostCopy.landed(block)
+        self._pending.append(_PendingCopy(rows, sites, plan))
+
+    def _graph_site_index(self, sites: tuple[tuple[int, int], ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(buffer layer index, hook) of these sites on the device, uploaded once per set of sites."""
+        if sites not in self._site_index:
+            if len(self._site_index) >= 64:  # requests may want any set of sites: keep the recent ones
+                self._site_index.clear()
+            bank, device = self.bank, self.bank.read_out.device
+            self._site_index[sites] = (to_device(np.array([bank.layer_index[layer] for layer, _ in sites]), device),
+                                       to_device(np.array([hook for _, hook in sites]), device))
+        return self._site_index[sites]
 
     def _drain(self, needed: Container[str] | None = None) -> None:
         """File the rows of copies that have landed under their requests. Copies holding rows of ``needed``
@@ -208,24 +248,21 @@ class CaptureStore:
                            if needed is None or any(reads.req_id in needed for reads in copy.plan.reads)), default=-1)
         filed = 0
         for i, copy in enumerate(self._pending):
-            if copy.event is not None:
-                if i <= last_needed:
-                    copy.event.synchronize()
-                elif not copy.event.query():
-                    break  # copies land in order: the rest are in flight too
+            if i <= last_needed:
+                copy.rows.wait()
+            elif not copy.rows.done():
+                break  # copies land in order: the rest are in flight too
             self._file(copy)
             filed += 1
         del self._pending[:filed]
 
     def _file(self, copy: _PendingCopy) -> None:
-        column = {site: i for i, site in enumerate(copy.sites)}
+        sites, host = tuple(copy.sites), copy.rows.wait()
         for reads in copy.plan.reads:
             entry = self._entries.get(reads.req_id)
-            if entry is None or not entry.sites:
-                continue
-            stop = reads.slot_start + len(reads.positions)
-            index = torch.tensor([column[site] for site in entry.sites])
-            entry.chunks.append((reads.positions, copy.host[:, reads.slot_start : stop].index_select(0, index)))
+            if entry is not None and entry.sites:
+                entry.chunks.append(_Chunk(reads.positions, host, sites, reads.slot_start,
+                                           reads.slot_start + len(reads.positions)))
 
     # -- finishing --------------------------------------------------------------------------------------
     def finish(self, finished_req_ids: set[str]) -> None:
@@ -275,13 +312,13 @@ class CaptureStore:
         # The last sampled token is never fed back: with the final length known, rows past it (an async
         # scheduler's step that ran past a stop) are not part of the request.
         computed = entry.num_computed if length is None else min(entry.num_computed, max(length - 1, 0))
-        rows = entry.gathered()
+        columns = entry.columns()
         futures = {}
         for name, spec in entry.specs.items():
             sites = [(layer, HOOK_INDEX[hook]) for layer, hook in spec.sites(self.num_layers) if layer in self._held]
             if not sites:
                 continue  # another pipeline stage holds this consumer's layers
-            futures[name] = self._submit(name, spec, entry, rows, sites, computed)
+            futures[name] = self._submit(name, spec, entry, columns, sites, computed)
         if entry.key is not None:
             self._results[entry.key] = futures
             self._forget_unclaimed()
@@ -300,8 +337,8 @@ class CaptureStore:
                 future.add_done_callback(lambda f, n=name, k=key: _log_failure(n, k, f.result()))
             logger.warning("capture results for key %s were never claimed; dropped them", key)
 
-    def _submit(self, name: str, spec: Any, entry: _Entry, rows: tuple[torch.Tensor, dict[int, int]] | None,
-                sites: list[tuple[int, int]], computed: int) -> Future:
+    def _submit(self, name: str, spec: Any, entry: _Entry, columns: dict[int, int], sites: list[tuple[int, int]],
+                computed: int) -> Future:
         expected = spec.expected_positions(entry.prompt_len, computed)
         if isinstance(spec.positions, list):
             beyond = sorted(set(spec.positions) - set(expected))
@@ -310,30 +347,27 @@ class CaptureStore:
                     f"positions {beyond} were never computed: the sequence went through the model for {computed} "
                     "tokens (the last generated token is never fed back)"
                 ))
-        block, where = rows if rows is not None else (None, {})
-        present = [p for p in expected if p in where]
+        present = [p for p in expected if p in columns]
         message = None
         dropped = (len(expected) - len(present)) * len(sites)
         if dropped:
             missing = sorted(set(expected) - set(present))
             message = f"positions {missing[:8]}{'...' if len(missing) > 8 else ''} were not computed by this engine"
-        names = [site_name(layer, HOOKS[hook], spec.naming) for layer, hook in sites]
+        picked = [columns[p] for p in present]
+        every_column = picked == list(range(sum(len(chunk.positions) for chunk in entry.chunks)))
+        chunks = entry.chunks if present else []
         table = self.bank.steer_table
-        if present:
-            columns = {site: i for i, site in enumerate(entry.sites)}
-            picked = block.index_select(0, torch.tensor([columns[site] for site in sites]))
-            picked = picked.index_select(1, torch.tensor([where[p] for p in present]))  # [sites, positions, hidden]
-            tensors = dict(zip(names, picked.unbind(0), strict=True))
-        else:
-            tensors = {n: torch.empty(0, table.shape[-1], dtype=table.dtype) for n in names}
         meta = CaptureMeta(
             request_id=self.external_id(entry.req_id), tag=spec.tag, model=self.model,
-            prompt_len=entry.prompt_len, positions=present, sites=names,
+            prompt_len=entry.prompt_len, positions=present,
+            sites=[site_name(layer, HOOKS[hook], spec.naming) for layer, hook in sites],
             dtype=str(table.dtype).removeprefix("torch."), options=spec.options,
         )
         status = "partial_error" if message else "ok"
         base = ConsumerResult(status=status, message=message, rows=len(present) * len(sites), dropped=dropped)
-        return self.consumers[name].submit(RequestCapture(meta, tensors), base)
+        rows = PendingCapture(meta, table.shape[-1], table.dtype,
+                              lambda block: _gather(chunks, sites, None if every_column else picked, block))
+        return self.consumers[name].submit(rows, base)
 
     def close(self) -> None:
         for runner in self.consumers.values():

@@ -31,6 +31,7 @@ import json
 import os
 import re
 import secrets
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
@@ -39,7 +40,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from vllm_interp.capture.consumer import CaptureConsumer, ConsumerContext, EngineFacts, RequestCapture, merge_stages
 from vllm_interp.hooks import parse_site_name
@@ -57,6 +58,7 @@ STAGE_PREFIX = "pp-stage-"
 _UNSAFE_CHARS = re.compile(r"[^A-Za-z0-9_.\-]")
 _MAX_SEGMENT = 128  # the tag rule's segment limit, so a request id makes a base no longer than a tag segment
 _SHARD_NAME = re.compile(r"shard-(\d+)\.safetensors")
+_SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
 
 @dataclass
@@ -70,6 +72,7 @@ class FilesystemConsumer(CaptureConsumer):
     """Writes each finished request's capture under ``root`` (see the module docstring for the layouts)."""
 
     name = "filesystem"
+    default_isolation = "process"  # serialising and writing are CPU and disk work
 
     def __init__(self, context: ConsumerContext) -> None:
         super().__init__(context)
@@ -366,9 +369,29 @@ def _checked_shard_mb(value: str | int) -> int:
 
 
 def _safetensors_writer(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> Callable[[Path], None]:
+    """Writes a safetensors file straight from the tensors' memory (safetensors' own ``save_file`` first copies
+    every tensor into a bytes object: one more pass over what may be a shard of hundreds of MiB)."""
     # "format": "pt" is what Hugging Face loaders expect in a torch safetensors header.
-    header = {"format": "pt", METADATA_KEY: json.dumps(meta)}
-    return lambda tmp: save_file(tensors, tmp, metadata=header)
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", METADATA_KEY: json.dumps(meta)}}
+    offset = 0
+    for name, tensor in tensors.items():
+        if tensor.dtype not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"{name}: dtype {tensor.dtype} has no safetensors name here")
+        end = offset + tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, end]}
+        offset = end
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb", buffering=0) as f:
+            f.write(struct.pack("<Q", len(text)) + text)
+            for tensor in tensors.values():
+                if tensor.numel():
+                    f.write(memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy()))
+
+    return write
 
 
 def _json_writer(record: dict[str, Any]) -> Callable[[Path], None]:

@@ -44,6 +44,7 @@ class LoggingConsumer(CaptureConsumer):
     """Logs and returns per-position norm/mean/std/min/max of every captured site."""
 
     name: ClassVar[str] = "logging"
+    default_isolation: ClassVar[str] = "process"  # statistics and formatting of every row are CPU work
 
     def __init__(self, context: ConsumerContext) -> None:
         super().__init__(context)

@@ -16,6 +16,7 @@ from vllm.v1.worker.gpu_worker import Worker
 
 from vllm_interp.capture.consumer import ConsumerContext, EngineFacts
 from vllm_interp.capture.dispatch import ConsumerRunner
+from vllm_interp.capture.isolation import consumer_host
 from vllm_interp.capture.plugins import configure_consumers
 from vllm_interp.capture.spec import validate_capture_spec
 from vllm_interp.capture.store import CaptureStore
@@ -97,7 +98,8 @@ class InterpWorkerMixin:
                     num_layers=num_layers, hidden_size=model_config.get_hidden_size(),
                     pipeline_rank=get_pp_group().rank_in_group, pipeline_size=get_pp_group().world_size, saes=saes,
                 )
-                runners[name] = ConsumerRunner(setup.cls(context), policy=config.capture_overload_policy,
+                runners[name] = ConsumerRunner(consumer_host(setup.cls, context, setup.isolation),
+                                               policy=config.capture_overload_policy,
                                                queue_bytes=setup.queue_bytes, spill_dir=setup.spill_dir)
         return CaptureStore(bank, num_layers=num_layers, model=str(model_config.served_model_name),
                             consumers=runners, global_spec=global_spec, external_id=request_ids.external_request_id)

@@ -1,0 +1,214 @@
+"""Bulk capture benchmark: every token at every layer's post_block, on one `vllm-interp serve`, interleaved with
+requests that capture nothing.
+
+    python -m benchmarks.bulk_capture MODEL --out FILE.md [--concurrency 64] [--prompt-tokens 256]
+        [--max-tokens 256] [--rounds 2] [--server-arg=--enforce-eager ...]
+
+One server with the ``logging`` consumer and the ``filesystem`` consumer (``layout=sharded``), each in its own
+process (their default isolation). Every round runs, with the same number of fresh prompts each:
+``plain`` (no capture: the baseline), ``logging`` (every position, ``post_block`` of every layer, to the
+logging consumer), ``plain_after`` (sent the moment the burst's last stream ends, while its consumer may still
+work through the backlog), ``sink`` (the same capture to the sharded filesystem layout), ``plain_after_sink``.
+Reported: throughput and TPOT of each phase against ``plain`` of the same round, TTFT of the plain phases after
+a burst against the one before it, the bytes the sink wrote and their rate, the worker processes' peak
+resident memory, and, on the capture root's disk, the rate of the sink's own shard writer against a plain
+sequential write of the same bytes (A B A B, each synced to disk).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+from benchmarks.serve import RunStats, fmt, gpu_card, ratio, run_requests
+from benchmarks.serving import VLLM_INTERP_MODULE, launch_server, stop_server, wait_healthy
+from vllm_interp.capture.consumer import CaptureMeta, ConsumerContext, RequestCapture
+from vllm_interp.capture.consumers.filesystem import FilesystemConsumer
+
+PHASES = ("plain", "logging", "plain_after", "sink", "plain_after_sink")
+EVERY_TOKEN = {"hooks": {"post_block": "all"}, "positions": "all"}
+
+
+@dataclass
+class Phase:
+    round_index: int
+    name: str
+    stats: RunStats
+    captured_bytes: int = 0  # rows x hidden x dtype size of every capturing request
+
+
+class RssWatch(threading.Thread):
+    """Samples the resident memory of a server's process tree once a second; keeps each process's peak."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.root = psutil.Process(pid)
+        self.peak: dict[str, float] = {}
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.wait(1.0):
+            for process in [self.root, *self.root.children(recursive=True)]:
+                try:
+                    name = f"{' '.join(process.cmdline()[:3])[-60:]} ({process.pid})"
+                    self.peak[name] = max(self.peak.get(name, 0.0), process.memory_info().rss / 2**20)
+                except psutil.Error:
+                    continue
+
+
+def dtype_size(config: dict[str, Any], server_args: list[str]) -> int:
+    """Bytes per element of the served model's activations: ``--dtype`` if given, else the checkpoint's."""
+    given = [a.split("=", 1)[1] for a in server_args if a.startswith("--dtype=")]
+    given += [b for a, b in zip(server_args, server_args[1:], strict=False) if a == "--dtype"]
+    name = given[-1] if given and given[-1] != "auto" else config.get("torch_dtype") or config.get("dtype")
+    return 4 if name in ("float32", "float") else 2
+
+
+def shard_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in (root / "shards").glob("shard-*.safetensors"))
+
+
+def disk_rates(root: Path, total_mb: int, hidden: int, layers: int, rounds: int) -> list[tuple[float, float]]:
+    """(sink MB/s, plain MB/s) per round on ``root``'s disk: the sharded filesystem consumer writing captures of
+    256 positions x ``layers`` sites against one sequential write of the same bytes, both synced."""
+    positions = 256
+    per_request = positions * layers * hidden * 2
+    count = max(1, (total_mb << 20) // per_request)
+    tensors = {f"{layer}.post_block": torch.randn(positions, hidden).to(torch.bfloat16) for layer in range(layers)}
+    rates = []
+    for round_index in range(rounds):
+        directory = Path(tempfile.mkdtemp(dir=root, prefix=f"disk-{round_index}-"))
+        options = FilesystemConsumer.validate_engine_options({"root": str(directory / "sink"), "layout": "sharded"})
+        consumer = FilesystemConsumer(ConsumerContext("filesystem", options, "m", layers, hidden))
+        started = time.perf_counter()
+        for i in range(count):
+            meta = CaptureMeta(request_id=f"r{i}", tag=None, model="m", prompt_len=positions,
+                               positions=list(range(positions)), sites=list(tensors), dtype="bfloat16")
+            consumer.consume(RequestCapture(meta, tensors))
+        consumer.close()
+        sink_s = time.perf_counter() - started
+        written = shard_bytes(directory / "sink")
+        block = bytearray(64 << 20)
+        started = time.perf_counter()
+        with open(directory / "plain.bin", "wb", buffering=0) as f:
+            for _ in range(-(-written // len(block))):
+                f.write(block)
+            os.fsync(f.fileno())
+        plain_s = time.perf_counter() - started
+        rates.append((written / sink_s / 1e6, -(-written // len(block)) * len(block) / plain_s / 1e6))
+        for path in sorted(directory.rglob("*"), reverse=True):
+            path.rmdir() if path.is_dir() else path.unlink()
+        directory.rmdir()
+    return rates
+
+
+def report(args: argparse.Namespace, phases: list[Phase], rates: list[tuple[float, float]], rss: dict[str, float],
+           layers: int, hidden: int, started: str, wall_s: float, on_disk: int) -> str:
+    lines = [f"# Bulk capture: every token, every layer ({time.strftime('%Y-%m-%d')})", "",
+             f"- Card: {gpu_card()}", f"- Model: `{args.model}` ({layers} layers, hidden {hidden})",
+             f"- Per phase: {args.requests} streaming requests at concurrency {args.concurrency}, "
+             f"{args.prompt_tokens} random prompt tokens, {args.max_tokens} generated (ignore_eos), greedy",
+             f"- Capture: `{json.dumps(EVERY_TOKEN)}` to `logging:level=debug` and to `filesystem` "
+             "(`layout=sharded`), both consumers in their own processes (default isolation)",
+             f"- Server args: `{' '.join(args.server_arg)}`; started {started}; {wall_s:.0f} s", "",
+             "| round | phase | TTFT ms | TPOT ms | tok/s | throughput / plain | TPOT / plain | TTFT / plain | "
+             "captured MB | captured MB/s | errors |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    summary: dict[str, list[tuple[float | None, ...]]] = {}
+    for phase in phases:
+        base = next(p.stats for p in phases if p.round_index == phase.round_index and p.name == "plain")
+        s = phase.stats
+        ratios = (ratio(s.throughput(), base.throughput()), ratio(s.tpot_ms(), base.tpot_ms()),
+                  ratio(s.ttft_ms(), base.ttft_ms()))
+        summary.setdefault(phase.name, []).append(ratios)
+        captured = phase.captured_bytes / 1e6
+        sink = f"{captured:.0f} | {captured / s.wall_s:.0f}" if captured else "- | -"
+        lines.append(f"| {phase.round_index} | {phase.name} | {fmt(s.ttft_ms())} | {fmt(s.tpot_ms(), 2)} | "
+                     f"{s.throughput():.0f} | " + " | ".join(fmt(r, 3) for r in ratios) + f" | {sink} | {s.errors} |")
+    lines += ["", "Median over rounds (against `plain` of the same round):", "",
+              "| phase | throughput | TPOT | TTFT |", "|---|---|---|---|"]
+    for name, rows in summary.items():
+        medians = [statistics.median(v) if (v := [r[k] for r in rows if r[k] is not None]) else None for k in range(3)]
+        lines.append(f"| {name} | " + " | ".join(fmt(m, 3) for m in medians) + " |")
+    captured = sum(p.captured_bytes for p in phases if p.name == "sink")
+    lines += ["", f"The sink's shards on disk after shutdown: {on_disk / 1e6:.0f} MB (its phases captured "
+              f"{captured / 1e6:.0f} MB of rows; shards add names and metadata).", ""]
+    lines += ["Disk, on the capture root (shard writer vs one plain sequential write of the same bytes, synced):",
+              "", "| round | shard writer MB/s | plain write MB/s | ratio |", "|---|---|---|---|"]
+    lines += [f"| {i} | {sink:.0f} | {plain:.0f} | {sink / plain:.3f} |" for i, (sink, plain) in enumerate(rates)]
+    lines += ["", "Peak resident memory of the server's processes (MiB):", "", "| process | peak RSS |", "|---|---|"]
+    lines += [f"| `{name}` | {mb:.0f} |" for name, mb in sorted(rss.items(), key=lambda kv: -kv[1])[:8]]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("model")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--workdir", default="/tmp/vllm-interp-bulk-bench")
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--disk-mb", type=int, default=2048, help="bytes per disk-rate round")
+    parser.add_argument("--server-arg", action="append", default=[], help="passed to the server (repeatable)")
+    parser.add_argument("--start-timeout", type=float, default=600)
+    args = parser.parse_args()
+    config = json.loads((Path(args.model) / "config.json").read_text())
+    layers, hidden, vocab = config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]
+    itemsize = dtype_size(config, args.server_arg)
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    root = workdir / "captures"
+    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    began = time.monotonic()
+    url, server = launch_server(
+        [args.model, "--max-model-len", str(args.prompt_tokens + args.max_tokens + 16), *args.server_arg,
+         "--capture-consumers", "logging:level=debug",
+         "--capture-consumers", f"filesystem:root={root},layout=sharded"],
+        workdir / "server.log", None, VLLM_INTERP_MODULE)
+    phases: list[Phase] = []
+    try:
+        wait_healthy(url, server, workdir / "server.log", args.start_timeout)
+        print(f"server ready after {time.monotonic() - began:.0f} s", flush=True)
+        watch = RssWatch(server.pid)
+        watch.start()
+        rng = torch.Generator().manual_seed(0)
+
+        def body(capture: str | None) -> dict[str, Any]:
+            prompt = torch.randint(100, vocab - 100, (args.prompt_tokens,), generator=rng).tolist()
+            fields = {"capture": {capture: EVERY_TOKEN}} if capture else {}
+            return {"model": args.model, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0,
+                    "ignore_eos": True, "stream": True, **fields}
+
+        run_requests(url, [body(None) for _ in range(2)], 2)  # one-off costs of the first requests
+        for round_index in range(args.rounds):
+            for name in PHASES:
+                capture = {"logging": "logging", "sink": "filesystem"}.get(name)
+                stats = run_requests(url, [body(capture) for _ in range(args.requests)], args.concurrency)
+                # Every position but the last generated one goes through the model, at every layer.
+                rows = len(stats.ok) * (args.prompt_tokens + args.max_tokens - 1) * layers if capture else 0
+                phases.append(Phase(round_index, name, stats, rows * hidden * itemsize))
+                print(f"round {round_index} {name}: ttft {fmt(stats.ttft_ms())} ms tpot {fmt(stats.tpot_ms(), 2)} ms "
+                      f"{stats.throughput():.0f} tok/s errors {stats.errors}", flush=True)
+        watch.stop.set()
+    finally:
+        stop_server(server)
+    on_disk = shard_bytes(root)  # the sink's shards once the server (and its consumer) closed
+    rates = disk_rates(workdir, args.disk_mb, hidden, layers, args.rounds)
+    text = report(args, phases, rates, watch.peak, layers, hidden, started, time.monotonic() - began, on_disk)
+    Path(args.out).write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

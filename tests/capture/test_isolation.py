@@ -1,0 +1,126 @@
+"""Consumers in a process of their own (``isolation=process``): rows through shared memory, results and
+failures back, start-up errors at start-up, a dead child failing its requests only, and a child whose worker
+went away publishing what it buffered. Real child processes, no engine."""
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from vllm_interp.capture.consumer import CaptureMeta, ConsumerContext, PendingCapture, RequestCapture
+from vllm_interp.capture.consumers.filesystem import FilesystemConsumer, list_captures, read_capture
+from vllm_interp.capture.consumers.logging import LoggingConsumer, row_stats
+from vllm_interp.capture.dispatch import ConsumerRunner
+from vllm_interp.capture.isolation import InProcess
+from vllm_interp.capture.plugins import configure_consumers
+from vllm_interp.capture.results import ConsumerResult
+
+HIDDEN = 16
+SITES = ["0.pre_attn", "3.post_block"]
+WAIT_S = 60
+
+
+def capture(request_id: str, positions: int = 5, tag: str | None = None,
+            dtype: torch.dtype = torch.float32) -> RequestCapture:
+    generator = torch.Generator().manual_seed(len(request_id))
+    meta = CaptureMeta(request_id=request_id, tag=tag, model="m", prompt_len=positions,
+                       positions=list(range(positions)), sites=SITES, dtype=str(dtype).removeprefix("torch."))
+    return RequestCapture(meta, {s: torch.randn(positions, HIDDEN, generator=generator).to(dtype) for s in SITES})
+
+
+def context(name: str, **options) -> ConsumerContext:
+    return ConsumerContext(name=name, options=options, model="m", num_layers=4, hidden_size=HIDDEN)
+
+
+def submit(runner: ConsumerRunner, rows: RequestCapture) -> ConsumerResult:
+    base = ConsumerResult(status="ok", rows=len(rows.meta.positions) * len(rows.meta.sites))
+    return runner.submit(PendingCapture.of(rows), base).result(WAIT_S)
+
+
+def filesystem_options(root: Path, **extra) -> dict:
+    return FilesystemConsumer.validate_engine_options({"root": str(root), **extra})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logging_in_a_process_returns_what_it_returns_in_the_worker(dtype):
+    options = LoggingConsumer.validate_engine_options({})
+    runner = ConsumerRunner(InProcess(LoggingConsumer, context("logging", **options)), policy="block",
+                            queue_bytes=1 << 20)
+    try:
+        rows = capture("req-1", dtype=dtype)
+        result = submit(runner, rows)
+        assert result.status == "ok"
+        assert result.result == {"rows": 10, "stats": {s: row_stats(rows.tensors[s]) for s in SITES}}
+        # A request without rows travels without a shared block.
+        assert submit(runner, capture("req-2", positions=0)).result["rows"] == 0
+        assert not list(runner.host._dir.iterdir()), "a request's shared block outlived it"
+    finally:
+        runner.close()
+    assert not runner.host._dir.exists()
+
+
+def test_filesystem_in_a_process_writes_and_reports_failures(tmp_path):
+    runner = ConsumerRunner(InProcess(FilesystemConsumer, context("filesystem", **filesystem_options(tmp_path))),
+                            policy="block", queue_bytes=1 << 20)
+    try:
+        rows = capture("req-1", tag="run/a", dtype=torch.bfloat16)
+        written = submit(runner, rows)
+        assert written.status == "ok" and written.result["base"] == "run/a"
+        tensors, meta = read_capture(tmp_path, "run/a")
+        assert meta["positions"] == list(range(5))
+        for site in SITES:
+            assert torch.equal(tensors[site], rows.tensors[site])
+        again = submit(runner, rows)  # the collision policy refuses: only this request fails, as in the worker
+        assert again.status == "error" and again.message.startswith("FileExistsError: capture 'run/a' already")
+        assert submit(runner, capture("req-2", tag="run/b")).status == "ok"
+    finally:
+        runner.close()
+
+
+def test_a_constructor_error_fails_at_start_naming_the_consumer(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(RuntimeError, match=r"capture consumer filesystem: (FileExistsError|NotADirectoryError)"):
+        InProcess(FilesystemConsumer, context("filesystem", **{**filesystem_options(tmp_path),
+                                                               "root": str(blocker / "below")}))
+
+
+def test_a_dead_child_fails_later_requests_and_the_runner_goes_on():
+    options = LoggingConsumer.validate_engine_options({})
+    runner = ConsumerRunner(InProcess(LoggingConsumer, context("logging", **options)), policy="block",
+                            queue_bytes=1 << 20)
+    try:
+        assert submit(runner, capture("req-1")).status == "ok"
+        os.kill(runner.host._process.pid, signal.SIGKILL)
+        runner.host._process.wait(WAIT_S)
+        failed = submit(runner, capture("req-2"))
+        assert failed.status == "error" and failed.dropped == 10
+        assert "capture consumer logging: its process exited (-9) while consuming request req-2" in failed.message
+        assert not list(runner.host._dir.iterdir())
+    finally:
+        with pytest.raises(RuntimeError, match="its process exited"):
+            runner.close()
+
+
+def test_a_child_whose_worker_is_gone_publishes_its_buffered_shard(tmp_path):
+    """The socket closing (the worker died) makes the child close its consumer: a sharded layout's buffer is
+    published rather than lost."""
+    host = InProcess(FilesystemConsumer, context("filesystem", **filesystem_options(tmp_path, layout="sharded")))
+    rows = capture("req-1", tag="kept")
+    assert host.run(PendingCapture.of(rows))["pending"] is True
+    host._conn.close()
+    assert host._process.wait(WAIT_S) == 0
+    assert list_captures(tmp_path) == ["kept"]
+    index = (tmp_path / "shards" / "index.jsonl").read_text().splitlines()
+    assert [json.loads(line)["base"] for line in index] == ["kept"]
+
+
+def test_isolation_defaults_and_option():
+    setups = configure_consumers(("logging", "inline", "filesystem:root=/tmp/x,isolation=thread"))
+    assert [s.isolation for s in setups.values()] == ["process", "thread", "thread"]
+    assert "isolation" not in setups["filesystem"].options
+    with pytest.raises(ValueError, match="--capture-consumers logging: isolation: expected one of thread, process"):
+        configure_consumers(("logging:isolation=fork",))
