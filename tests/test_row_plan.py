@@ -1,6 +1,6 @@
 import numpy as np
 
-from vllm_interp.row_plan import BatchLayout, plan_reads
+from vllm_interp.row_plan import READ_ALL, BatchLayout, plan_reads
 
 
 def _layout():
@@ -36,6 +36,14 @@ def test_requests_without_reads_take_no_slots():
     plan = plan_reads(_slices(), lambda req, pos: None if req != "b" else np.ones(len(pos), bool))
     assert plan.rows.tolist() == [16]
     assert plan.num_rows == 1
+
+
+def test_read_all_takes_every_row_of_the_slice_like_a_full_mask():
+    every = plan_reads(_slices(), lambda req, pos: READ_ALL if req != "b" else None)
+    masked = plan_reads(_slices(), lambda req, pos: np.ones(len(pos), bool) if req != "b" else None)
+    assert every.rows.tolist() == masked.rows.tolist() == [*range(16), *range(17, 22)]
+    assert [(r.req_id, r.slot_start, r.positions.tolist()) for r in every.reads] == [
+        (r.req_id, r.slot_start, r.positions.tolist()) for r in masked.reads]
 
 
 def test_steering_rows_follow_each_tokens_phase():

@@ -70,11 +70,17 @@ class ReadPlan:
         return int(self.rows.shape[0])
 
 
-def plan_reads(slices: list[BatchSlice], selector: Callable[[str, np.ndarray], np.ndarray | None]) -> ReadPlan:
+# A selector's answer for a request that reads every position of its slice (every-token capture): no mask
+# to build and test per request and step.
+READ_ALL = True
+
+
+def plan_reads(slices: list[BatchSlice],
+               selector: Callable[[str, np.ndarray], np.ndarray | bool | None]) -> ReadPlan:
     """Assign read slots, in batch order, to the rows whose positions ``selector`` picks.
 
-    ``selector(req_id, positions)`` returns a boolean mask over ``positions`` (None: the request reads
-    nothing).
+    ``selector(req_id, positions)`` returns a boolean mask over ``positions``, ``READ_ALL``, or None (the
+    request reads nothing).
     """
     rows: list[np.ndarray] = []
     reads: list[RequestReads] = []
@@ -82,9 +88,12 @@ def plan_reads(slices: list[BatchSlice], selector: Callable[[str, np.ndarray], n
     for batch_slice in slices:
         positions = batch_slice.positions
         mask = selector(batch_slice.req_id, positions)
-        if mask is None or not mask.any():
+        if mask is READ_ALL:
+            wanted = positions
+        elif mask is None or not mask.any():
             continue
-        wanted = positions[mask]
+        else:
+            wanted = positions[mask]
         rows.append(batch_slice.row_start + (wanted - batch_slice.position_start))
         reads.append(RequestReads(batch_slice.req_id, used, wanted))
         used += len(wanted)

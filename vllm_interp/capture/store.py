@@ -26,7 +26,7 @@ from vllm_interp.hooks import HOOK_INDEX, HOOKS, site_name
 from vllm_interp.models.registry import SiteBank
 from vllm_interp.models.site_ops import StepReads
 from vllm_interp.request_args import interp_args
-from vllm_interp.row_plan import ReadPlan
+from vllm_interp.row_plan import READ_ALL, ReadPlan
 from vllm_interp.uploads import copy_into, to_device
 
 logger = logging.getLogger(__name__)
@@ -56,7 +56,14 @@ class _Entry:
         ends = [spec.last_position(self.prompt_len) for spec in self.all_specs.values()]
         return None if None in ends else max(ends)
 
-    def select(self, positions: np.ndarray) -> np.ndarray:
+    @cached_property
+    def reads_every_position(self) -> bool:
+        return any(spec.positions == "all" for spec in self.all_specs.values())
+
+    def select(self, positions: np.ndarray) -> np.ndarray | bool:
+        """Which of ``positions`` some spec reads: a mask, or ``READ_ALL``."""
+        if self.reads_every_position:
+            return READ_ALL
         masks = [spec.select(positions, self.prompt_len) for spec in self.all_specs.values()]
         return np.logical_or.reduce(masks)
 
