@@ -2,6 +2,7 @@
 failures back, start-up errors at start-up, a dead child failing its requests only, and a child whose worker
 went away publishing what it buffered. Real child processes, no engine."""
 
+import errno
 import json
 import os
 import signal
@@ -124,3 +125,24 @@ def test_isolation_defaults_and_option():
     assert "isolation" not in setups["filesystem"].options
     with pytest.raises(ValueError, match="--capture-consumers logging: isolation: expected one of thread, process"):
         configure_consumers(("logging:isolation=fork",))
+
+
+def test_no_room_in_shared_memory_fails_only_that_request(monkeypatch):
+    options = LoggingConsumer.validate_engine_options({})
+    runner = ConsumerRunner(InProcess(LoggingConsumer, context("logging", **options)), policy="block",
+                            queue_bytes=1 << 20)
+    try:
+        real = os.posix_fallocate
+
+        def full(fd, offset, length):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(os, "posix_fallocate", full)
+        failed = submit(runner, capture("req-1"))
+        assert failed.status == "error" and "no room for 0 MiB of rows" in failed.message
+        assert "No space left" in failed.message
+        monkeypatch.setattr(os, "posix_fallocate", real)
+        assert submit(runner, capture("req-2")).status == "ok"
+        assert not list(runner.host._dir.iterdir())
+    finally:
+        runner.close()
