@@ -152,6 +152,10 @@ def test_requests_of_one_step_wanting_different_sites_get_their_own_rows():
         for site in reads.sites:
             reads.out[site] = streams[site][step_index].index_select(0, reads.rows)
         store.collect(plan, reads)
+    store._drain()
+    # Each request holds its own copy of a shared step's rows: a long request keeps no other's rows alive.
+    first = [store.live_entry(r).chunks[0].rows.untyped_storage().data_ptr() for r in ("wide", "narrow")]
+    assert first[0] != first[1]
     store.finish({"wide", "narrow"})
     wide_rows = ResidualReadout.from_result(store.results({"w": 1}, wait_s=5)["w"]["inline"]["result"])
     narrow_rows = ResidualReadout.from_result(store.results({"n": 2}, wait_s=5)["n"]["inline"]["result"])

@@ -1,12 +1,14 @@
-"""Moving a step's read rows off the device without costing the step anything.
+"""Moving a step's read rows off the device, off the forward thread.
 
-Every capturing step leaves one gathered ``[sites, rows, hidden]`` block on the device. A copy into pinned
-memory allocated per step would pin new pages every step (the blocks stay alive until their requests finish,
-so the pinned-memory cache never reuses them; pinning costs far more than copying), and a copy into ordinary
-memory on the forward thread waits for the step to finish. So a thread of its own copies each block, in order,
-on a stream of its own (after an event the forward thread recorded behind the gather), into ordinary memory,
-and then releases the device block. Device memory in flight is bounded (``max_bytes``): past it the forward
-thread waits for the copier, which only happens when the host cannot keep up with the rows asked for.
+Every capturing step leaves one gathered ``[sites, rows, hidden]`` block on the device. A thread of its own
+copies each block, in order, on a stream of its own (after an event the forward thread recorded behind the
+gather) into ordinary memory, splits it into each request's own rows, and releases the device block. Device
+memory in flight is bounded (``max_bytes``): past it the forward thread waits for the copier, which only
+happens when the host cannot keep up with the rows asked for.
+
+Known cost (H100, benchmarks/results/bulk-capture-gpu-2026-11-27.md): with 64 rows x 16 sites read every
+decode step, the steps take 6-8 ms longer than the same steps that read but do not copy, as they did with
+the earlier pinned block allocated per step on the forward thread; the cause is not traced.
 """
 
 import threading
@@ -18,29 +20,38 @@ MAX_BYTES_IN_FLIGHT = 1 << 30
 
 
 class HostCopy:
-    """One block on its way to host memory; ``host`` is set once ``done``."""
+    """One ``[sites, rows, hidden]`` block on its way to host memory, split by requests: ``parts[i]`` holds the
+    rows ``splits[i]`` (a request's own copy: a view would keep every other request's rows of the step alive
+    for as long as that request runs)."""
 
-    def __init__(self, block: torch.Tensor | None = None, host: torch.Tensor | None = None) -> None:
+    def __init__(self, splits: list[tuple[int, int]], block: torch.Tensor | None = None) -> None:
+        self.splits = splits
         self.block = block
         self.nbytes = 0 if block is None else block.numel() * block.element_size()
         self.event: torch.cuda.Event | None = None
-        self.host = host
+        self.parts: list[torch.Tensor] | None = None
         self._done = threading.Event()
-        if host is not None:
-            self._done.set()
 
     @classmethod
-    def landed(cls, host: torch.Tensor) -> "HostCopy":
-        """Rows already in host memory (a CPU engine)."""
-        return cls(host=host)
+    def landed(cls, host: torch.Tensor, splits: list[tuple[int, int]]) -> "HostCopy":
+        """Rows already in host memory (a CPU engine): split here."""
+        copy = cls(splits)
+        copy.land(host)
+        return copy
+
+    def land(self, host: torch.Tensor) -> None:
+        one = len(self.splits) == 1  # a single request owns the whole block: no copy needed
+        self.parts = [host if one else host[:, start:stop].clone() for start, stop in self.splits]
+        self.block = self.event = None
+        self._done.set()
 
     def done(self) -> bool:
         return self._done.is_set()
 
-    def wait(self) -> torch.Tensor:
+    def wait(self) -> list[torch.Tensor]:
         self._done.wait()
-        assert self.host is not None
-        return self.host
+        assert self.parts is not None
+        return self.parts
 
 
 class HostCopier:
@@ -52,10 +63,10 @@ class HostCopier:
         self._cond = threading.Condition()
         threading.Thread(target=self._run, name="vllm-interp-host-copies", daemon=True).start()
 
-    def submit(self, block: torch.Tensor) -> HostCopy:
-        """Queue ``block`` (just gathered on the current stream) for copying; returns at once unless the
-        device memory in flight is past its bound."""
-        copy = HostCopy(block)
+    def submit(self, block: torch.Tensor, splits: list[tuple[int, int]]) -> HostCopy:
+        """Queue ``block`` (just gathered on the current stream) for copying and splitting; returns at once
+        unless the device memory in flight is past its bound."""
+        copy = HostCopy(splits, block)
         copy.event = torch.cuda.Event()
         copy.event.record()
         with self._cond:
@@ -76,9 +87,8 @@ class HostCopier:
                 stream.wait_event(copy.event)
                 host = copy.block.to("cpu")  # ordinary memory: returns once the copy is complete
             # The copy is complete, so the block can go back to the forward stream's pool as it is.
-            copy.block = copy.event = None
-            copy.host = host
+            nbytes = copy.nbytes
+            copy.land(host)
             with self._cond:
-                self._in_flight -= copy.nbytes
+                self._in_flight -= nbytes
                 self._cond.notify_all()
-            copy._done.set()

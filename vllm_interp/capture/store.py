@@ -45,8 +45,9 @@ class _Entry:
     # replays a CUDA graph while another runs eagerly and their all-reduces no longer match.
     all_specs: CaptureSpec
     reads_held_sites: bool  # some spec wants a site this pipeline stage holds
-    # Per step, the columns of its host block holding this request's rows (a recomputed position, after
-    # preemption, appears again): views, never copies, on the forward path.
+    # Per step, this request's rows (a recomputed position, after preemption, appears again), split from the
+    # step's block by the copier thread on GPU: never a copy on the forward thread there, and never a view
+    # that would keep other requests' rows alive for as long as this request runs.
     chunks: list["_Chunk"] = field(default_factory=list)
     num_computed: int = 0
 
@@ -78,10 +79,8 @@ class _Entry:
 @dataclass(frozen=True)
 class _Chunk:
     positions: np.ndarray
-    host: torch.Tensor  # the step's [step sites, rows, hidden] block
-    sites: tuple[tuple[int, int], ...]  # the step's sites, in the block's order
-    start: int
-    stop: int
+    rows: torch.Tensor  # [step sites, len(positions), hidden]: this request's own copy of the step's rows
+    sites: tuple[tuple[int, int], ...]  # the step's sites, in the rows' order
 
 
 def _gather(chunks: list[_Chunk], sites: list[tuple[int, int]], columns: list[int] | None,
@@ -98,8 +97,7 @@ def _gather(chunks: list[_Chunk], sites: list[tuple[int, int]], columns: list[in
             index = [where[site] for site in sites]
             picks[chunk.sites] = None if index == list(range(len(chunk.sites))) else torch.tensor(index)
         pick = picks[chunk.sites]
-        rows = chunk.host[:, chunk.start : chunk.stop]
-        parts.append(rows if pick is None else rows.index_select(0, pick))
+        parts.append(chunk.rows if pick is None else chunk.rows.index_select(0, pick))
     if columns is None:
         torch.cat(parts, dim=1, out=block)
     else:
@@ -229,12 +227,13 @@ class CaptureStore:
             sites = sorted(reads.sites)
             layers, hooks = self._graph_site_index(tuple(sites))
             block = self.bank.read_out[layers, hooks, : len(reads.rows)]
+        splits = [(reads.slot_start, reads.slot_start + len(reads.positions)) for reads in plan.reads]
         if block.is_cuda:
             if self._copier is None:
                 self._copier = HostCopier(block.device)
-            rows = self._copier.submit(block)
+            rows = self._copier.submit(block, splits)
         else:
-            rows = HostCopy.landed(block)
+            rows = HostCopy.landed(block, splits)
         self._pending.append(_PendingCopy(rows, sites, plan))
 
     def _graph_site_index(self, sites: tuple[tuple[int, int], ...]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -264,12 +263,11 @@ class CaptureStore:
         del self._pending[:filed]
 
     def _file(self, copy: _PendingCopy) -> None:
-        sites, host = tuple(copy.sites), copy.rows.wait()
-        for reads in copy.plan.reads:
+        sites = tuple(copy.sites)
+        for reads, rows in zip(copy.plan.reads, copy.rows.wait(), strict=True):
             entry = self._entries.get(reads.req_id)
             if entry is not None and entry.sites:
-                entry.chunks.append(_Chunk(reads.positions, host, sites, reads.slot_start,
-                                           reads.slot_start + len(reads.positions)))
+                entry.chunks.append(_Chunk(reads.positions, rows, sites))
 
     # -- finishing --------------------------------------------------------------------------------------
     def finish(self, finished_req_ids: set[str]) -> None:
