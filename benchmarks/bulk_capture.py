@@ -2,15 +2,17 @@
 requests that capture nothing.
 
     python -m benchmarks.bulk_capture MODEL --out FILE.md [--concurrency 64] [--prompt-tokens 256]
-        [--max-tokens 256] [--rounds 2] [--server-arg=--enforce-eager ...]
+        [--max-tokens 256] [--rounds 2] [--isolation process|thread] [--server-arg=--enforce-eager ...]
 
 One server with the ``logging`` consumer and the ``filesystem`` consumer (``layout=sharded``), each in its own
-process (their default isolation). Every round runs, with the same number of fresh prompts each:
+process (their default isolation; ``--isolation thread`` runs them on worker threads instead, for comparison).
+Every round runs, with the same number of fresh prompts each:
 ``plain`` (no capture: the baseline), ``logging`` (every position, ``post_block`` of every layer, to the
 logging consumer), ``plain_after`` (sent the moment the burst's last stream ends, while its consumer may still
 work through the backlog), ``sink`` (the same capture to the sharded filesystem layout), ``plain_after_sink``.
 Reported: throughput and TPOT of each phase against ``plain`` of the same round, TTFT of the plain phases after
-a burst against the one before it, the bytes the sink wrote and their rate, the worker processes' peak
+a burst against the one before it, the bytes of rows each capturing phase captured and their rate, the sink's
+shards on disk after shutdown, the server processes' peak
 resident memory, and, on the capture root's disk, the rate of the sink's own shard writer against a plain
 sequential write of the same bytes (A B A B, each synced to disk).
 """
@@ -118,7 +120,7 @@ def report(args: argparse.Namespace, phases: list[Phase], rates: list[tuple[floa
              f"- Per phase: {args.requests} streaming requests at concurrency {args.concurrency}, "
              f"{args.prompt_tokens} random prompt tokens, {args.max_tokens} generated (ignore_eos), greedy",
              f"- Capture: `{json.dumps(EVERY_TOKEN)}` to `logging:level=debug` and to `filesystem` "
-             "(`layout=sharded`), both consumers in their own processes (default isolation)",
+             f"(`layout=sharded`), both with `isolation={args.isolation}`",
              f"- Server args: `{' '.join(args.server_arg)}`; started {started}; {wall_s:.0f} s", "",
              "| round | phase | TTFT ms | TPOT ms | tok/s | throughput / plain | TPOT / plain | TTFT / plain | "
              "captured MB | captured MB/s | errors |", "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -159,6 +161,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--isolation", choices=("process", "thread"), default="process")
     parser.add_argument("--disk-mb", type=int, default=2048, help="bytes per disk-rate round")
     parser.add_argument("--server-arg", action="append", default=[], help="passed to the server (repeatable)")
     parser.add_argument("--start-timeout", type=float, default=600)
@@ -173,8 +176,8 @@ def main() -> None:
     began = time.monotonic()
     url, server = launch_server(
         [args.model, "--max-model-len", str(args.prompt_tokens + args.max_tokens + 16), *args.server_arg,
-         "--capture-consumers", "logging:level=debug",
-         "--capture-consumers", f"filesystem:root={root},layout=sharded"],
+         "--capture-consumers", f"logging:level=debug,isolation={args.isolation}",
+         "--capture-consumers", f"filesystem:root={root},layout=sharded,isolation={args.isolation}"],
         workdir / "server.log", None, VLLM_INTERP_MODULE)
     phases: list[Phase] = []
     try:
