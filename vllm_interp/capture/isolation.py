@@ -32,8 +32,6 @@ import torch
 
 from vllm_interp.capture.consumer import CaptureConsumer, CaptureMeta, ConsumerContext, PendingCapture, RequestCapture
 
-logger = logging.getLogger(__name__)
-
 Isolation = Literal["thread", "process"]
 ISOLATIONS: tuple[str, ...] = ("thread", "process")
 START_TIMEOUT_S = 300.0  # importing torch in the child on a loaded 2-core machine takes a while
@@ -121,11 +119,18 @@ class InProcess:
                 self._conn.send(message)
             status, value = self._conn.recv()
         except (EOFError, OSError):
-            raise RuntimeError(f"capture consumer {self.context.name}: its process exited ({self._process.poll()}) "
+            raise RuntimeError(f"capture consumer {self.context.name}: its process exited ({self._exit_code()}) "
                                f"while {doing}; its later requests fail too") from None
         if status == "error":
             raise ConsumerProcessError(value)
         return value
+
+    def _exit_code(self) -> int | None:
+        """The child's exit status (its socket closes a moment before it is reaped)."""
+        try:
+            return self._process.wait(5)
+        except subprocess.TimeoutExpired:
+            return None
 
     def _stop(self) -> None:
         self._conn.close()
