@@ -20,7 +20,6 @@ sequential write of the same bytes (A B A B, each synced to disk).
 import argparse
 import json
 import os
-import statistics
 import tempfile
 import threading
 import time
@@ -31,8 +30,8 @@ from typing import Any
 import psutil
 import torch
 
-from benchmarks.serve import RunStats, fmt, gpu_card, ratio, run_requests
-from benchmarks.serving import VLLM_INTERP_MODULE, launch_server, stop_server, wait_healthy
+from benchmarks.serve import RunStats, column_medians, fmt, gpu_card, ratio, run_requests
+from benchmarks.serving import VLLM_INTERP_MODULE, launch_server, server_rss_mb, stop_server, wait_healthy
 from vllm_interp.capture.consumer import CaptureMeta, ConsumerContext, RequestCapture
 from vllm_interp.capture.consumers.filesystem import FilesystemConsumer
 
@@ -53,18 +52,19 @@ class RssWatch(threading.Thread):
 
     def __init__(self, pid: int) -> None:
         super().__init__(daemon=True)
-        self.root = psutil.Process(pid)
+        self.pid = pid
         self.peak: dict[str, float] = {}
         self.stop = threading.Event()
 
     def run(self) -> None:
         while not self.stop.wait(1.0):
-            for process in [self.root, *self.root.children(recursive=True)]:
-                try:
-                    name = f"{' '.join(process.cmdline()[:3])[-60:]} ({process.pid})"
-                    self.peak[name] = max(self.peak.get(name, 0.0), process.memory_info().rss / 2**20)
-                except psutil.Error:
-                    continue
+            try:
+                # Labelled by command line: the consumers' child processes are all named python3.
+                rss = server_rss_mb(self.pid, lambda p: f"{' '.join(p.cmdline()[:3])[-60:]} ({p.pid})")
+            except psutil.Error:
+                continue
+            for name, mb in rss.items():
+                self.peak[name] = max(self.peak.get(name, 0.0), mb)
 
 
 def dtype_size(config: dict[str, Any], server_args: list[str]) -> int:
@@ -138,11 +138,10 @@ def report(args: argparse.Namespace, phases: list[Phase], rates: list[tuple[floa
     lines += ["", "Median over rounds (against `plain` of the same round):", "",
               "| phase | throughput | TPOT | TTFT |", "|---|---|---|---|"]
     for name, rows in summary.items():
-        medians = [statistics.median(v) if (v := [r[k] for r in rows if r[k] is not None]) else None for k in range(3)]
-        lines.append(f"| {name} | " + " | ".join(fmt(m, 3) for m in medians) + " |")
+        lines.append(f"| {name} | " + " | ".join(fmt(m, 3) for m in column_medians(rows)) + " |")
     captured = sum(p.captured_bytes for p in phases if p.name == "sink")
     lines += ["", f"The sink's shards on disk after shutdown: {on_disk / 1e6:.0f} MB (its phases captured "
-              f"{captured / 1e6:.0f} MB of rows; shards add names and metadata).", ""]
+              f"{captured / 1e6:.0f} MB of rows; a shard still buffered when the server is stopped is lost today).", ""]
     lines += ["Disk, on the capture root (shard writer vs one plain sequential write of the same bytes, synced):",
               "", "| round | shard writer MB/s | plain write MB/s | ratio |", "|---|---|---|---|"]
     lines += [f"| {i} | {sink:.0f} | {plain:.0f} | {sink / plain:.3f} |" for i, (sink, plain) in enumerate(rates)]

@@ -228,6 +228,12 @@ def ratio(feature: float | None, baseline: float | None) -> float | None:
     return None if feature is None or baseline is None or baseline == 0 else feature / baseline
 
 
+def column_medians(rows: list[tuple[float | None, ...]]) -> list[float | None]:
+    """The median of each column of ``rows`` over the rows that have a value there (None: none has)."""
+    return [statistics.median(v) if (v := [r[k] for r in rows if r[k] is not None]) else None
+            for k in range(len(rows[0]))]
+
+
 def kv_cache_tokens(log: Path) -> str:
     """The KV cache size the server's engine reported (unequal caches would make the ratios measure queueing)."""
     match = re.search(r"GPU KV cache size: ([\d,]+) tokens", log.read_text(errors="replace"))
@@ -256,8 +262,7 @@ def report(bench: Bench, started: str, card: str, wall_s: float, kv_tokens: tupl
     lines += ["", "Median over rounds (feature / baseline):", "",
               "| workload | TTFT | TPOT | throughput | latency |", "|---|---|---|---|---|"]
     for name, rows in by_workload.items():
-        medians = [statistics.median(v) if (v := [r[k] for r in rows if r[k] is not None]) else None
-                   for k in range(4)]
+        medians = column_medians(rows)
         lines.append(f"| {name} | " + " | ".join(fmt(m, 3) for m in medians) + " |")
     return "\n".join(lines) + "\n"
 

@@ -9,6 +9,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -68,13 +69,14 @@ def stop_server(process: subprocess.Popen) -> None:
         os.killpg(process.pid, signal.SIGKILL)
 
 
-def server_rss_mb(pid: int) -> dict[str, float]:
-    """Resident memory (MiB) of the server and each process it started, by ``name/pid``."""
+def server_rss_mb(pid: int, label: Callable[[psutil.Process], str] = lambda p: f"{p.name()}/{p.pid}",
+                  ) -> dict[str, float]:
+    """Resident memory (MiB) of the server and each process it started, by ``label`` (default ``name/pid``)."""
     root = psutil.Process(pid)
     rss = {}
     for process in [root, *root.children(recursive=True)]:
         try:
-            rss[f"{process.name()}/{process.pid}"] = process.memory_info().rss / 2**20
+            rss[label(process)] = process.memory_info().rss / 2**20
         except psutil.NoSuchProcess:
             continue
     return rss

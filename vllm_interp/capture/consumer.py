@@ -141,7 +141,7 @@ class PendingCapture:
 
     @classmethod
     def of(cls, capture: RequestCapture) -> "PendingCapture":
-        """One whose rows are already tensors (spilled rows loaded back, tests)."""
+        """One whose rows are already tensors (rows loaded back from a spill file; tests)."""
         tensors = [capture.tensors[site] for site in capture.meta.sites]
         first = tensors[0] if tensors else torch.empty(0, 0)
 

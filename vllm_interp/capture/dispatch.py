@@ -27,7 +27,7 @@ from typing import Literal
 import torch
 from safetensors.torch import load_file, save_file
 
-from vllm_interp.capture.consumer import PendingCapture
+from vllm_interp.capture.consumer import PendingCapture, RequestCapture
 from vllm_interp.capture.isolation import ConsumerProcessError, InProcess, InThread, request_capture
 from vllm_interp.capture.results import ConsumerResult
 
@@ -110,8 +110,12 @@ class ConsumerRunner:
         block = torch.empty(pending.shape, dtype=pending.dtype)
         pending.fill(block)
         save_file({site: t.contiguous() for site, t in request_capture(pending.meta, block)}, str(path))
-        job.capture = PendingCapture(pending.meta, pending.hidden, pending.dtype,
-                                     lambda out: _load_into(path, pending.meta.sites, out))
+
+        def load(out: torch.Tensor) -> None:
+            # ``of`` takes the tensors in site order (the file keeps them in name order).
+            PendingCapture.of(RequestCapture(pending.meta, load_file(path))).fill(out)
+
+        job.capture = PendingCapture(pending.meta, pending.hidden, pending.dtype, load)
         job.spill_path = path
         job.result = job.result.model_copy(update={"spilled": job.result.rows})
 
@@ -142,9 +146,3 @@ class ConsumerRunner:
                 job.spill_path.unlink()
         return job.result.model_copy(update={"result": payload})
 
-
-def _load_into(path: Path, sites: list[str], block: torch.Tensor) -> None:
-    """Spilled rows back into a block, in site order (the file keeps them in name order)."""
-    loaded = load_file(str(path))
-    for row, site in zip(block, sites, strict=True):
-        row.copy_(loaded[site])
