@@ -6,9 +6,10 @@ gather) into ordinary memory, splits it into each request's own rows, and releas
 memory in flight is bounded (``max_bytes``): past it the forward thread waits for the copier, which only
 happens when the host cannot keep up with the rows asked for.
 
-Known cost (H100, benchmarks/results/bulk-capture-gpu-2026-11-27.md): with 64 rows x 16 sites read every
-decode step, the steps take 6-8 ms longer than the same steps that read but do not copy, as they did with
-the earlier pinned block allocated per step on the forward thread; the cause is not traced.
+The copy is not what makes every-token capture slow: on an H100, decode steps with 64 rows x 16 sites read
+every step take as long with the transfer (and this thread) replaced by a preallocated host block
+(``benchmarks/capture_breakdown.py``; benchmarks/results/bulk-capture-gpu-2026-11-27.md), and a pinned
+staging buffer with polled events costs what the pageable copy does.
 """
 
 import threading
@@ -83,12 +84,16 @@ class HostCopier:
             with self._cond:
                 self._cond.wait_for(lambda: bool(self._queue))
                 copy = self._queue.popleft()
-            with torch.cuda.stream(stream):
-                stream.wait_event(copy.event)
-                host = copy.block.to("cpu")  # ordinary memory: returns once the copy is complete
-            # The copy is complete, so the block can go back to the forward stream's pool as it is.
             nbytes = copy.nbytes
-            copy.land(host)
+            copy.land(self._to_host(copy, stream))
             with self._cond:
                 self._in_flight -= nbytes
                 self._cond.notify_all()
+
+    @staticmethod
+    def _to_host(copy: HostCopy, stream: torch.cuda.Stream) -> torch.Tensor:
+        with torch.cuda.stream(stream):
+            stream.wait_event(copy.event)
+            # Ordinary memory: returns once the copy is complete, so the block can go back to the forward
+            # stream's pool as it is.
+            return copy.block.to("cpu")
