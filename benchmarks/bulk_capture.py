@@ -141,7 +141,7 @@ def report(args: argparse.Namespace, phases: list[Phase], rates: list[tuple[floa
         lines.append(f"| {name} | " + " | ".join(fmt(m, 3) for m in column_medians(rows)) + " |")
     captured = sum(p.captured_bytes for p in phases if p.name == "sink")
     lines += ["", f"The sink's shards on disk after shutdown: {on_disk / 1e6:.0f} MB (its phases captured "
-              f"{captured / 1e6:.0f} MB of rows; a shard still buffered when the server is stopped is lost today).", ""]
+              f"{captured / 1e6:.0f} MB of rows; a shard still buffered is published when the server stops).", ""]
     lines += ["Disk, on the capture root (shard writer vs one plain sequential write of the same bytes, synced):",
               "", "| round | shard writer MB/s | plain write MB/s | ratio |", "|---|---|---|---|"]
     lines += [f"| {i} | {sink:.0f} | {plain:.0f} | {sink / plain:.3f} |" for i, (sink, plain) in enumerate(rates)]

@@ -8,8 +8,8 @@ gathers each request's rows straight into a shared-memory block (a file in ``/de
 before it is mapped so a full ``/dev/shm`` is an error, never a bus fault), sends the metadata and the
 block's path over a socket, and waits for the result. The child maps the block, calls ``consume``, and
 answers; its ``close`` runs at shutdown, or when the socket to the worker closes, so a sharded file layout
-still publishes what it buffered (not when the child itself is ended first: a server stopped with SIGTERM
-loses its last buffered shard today, with either isolation).
+still publishes what it buffered (not when the child is killed with the worker: ``vllm-interp serve`` gives
+the engine a grace period to close its consumers when stopped, engine/v0_26/serve.py).
 
 The child is started with ``subprocess`` (vLLM's worker processes are daemonic, and daemonic processes may
 not start ``multiprocessing`` children), builds its consumer from the pickled class and context, and reports

@@ -43,6 +43,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     # No model given means the default model (prepared on first use), not vLLM's default.
     parser.set_defaults(model=None, dispatch_function=lambda args: serve(command, args))
+    adapter("serve").defer_shutdown_timeout(parser)
     group = parser.add_argument_group("vllm-interp", "Interpretability features (all off by default).")
     group.add_argument("--enable-steering", action="store_true",
                        help="Residual steering (/v1/steering/*, steering fields on completions).")
@@ -123,6 +124,7 @@ def serve(command, args: argparse.Namespace) -> None:
     args.worker_cls, args.additional_config = interp_engine_args(
         config, worker_cls=args.worker_cls, additional_config=args.additional_config
     )
+    adapter("serve").choose_shutdown_timeout(args, capturing=bool(config.capture_consumers))
     adapter("serve").allow_plugins("vllm_interp", PLUGIN_NAME)
     command.validate(args)
     command.cmd(args)

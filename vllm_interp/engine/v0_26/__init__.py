@@ -12,8 +12,8 @@ anything; a mismatch stops start-up with ``VllmInternalsMismatch`` naming the in
 - ``request_ids``: the engine's request-id format (the caller's id plus a random suffix); same.
 - ``openai_params``: the OpenAI request classes' ``to_sampling_params`` (patch), so the HTTP middleware's
   payload reaches ``extra_args`` as is; checked when the endpoint plugin attaches its routes.
-- ``serve``: the ``serve`` subcommand, its CLI environment, API-server count, ``VLLM_PLUGINS``; checked when
-  ``vllm-interp serve`` starts.
+- ``serve``: the ``serve`` subcommand, its CLI environment, API-server count, ``VLLM_PLUGINS``, the shutdown
+  grace period; checked when ``vllm-interp serve`` starts.
 - ``offline``: the offline ``LLM``'s engine core (shutdown) and model config; checked when
   ``vllm_interp.LLM`` starts.
 - here: ``VLLM_USE_V2_MODEL_RUNNER``; checked when engine arguments are built.

@@ -18,7 +18,13 @@ TOUCHPOINTS = (
     Touchpoint("env:VLLM_PLUGINS", "env", "endpoint plugins load only when named there"),
     Touchpoint("vllm.utils.argparse_utils:FlexibleArgumentParser", "call",
                "vLLM's serve parser needs vLLM's parser class (config files, --help=SECTION)"),
+    Touchpoint("vllm.engine.arg_utils:EngineArgs.shutdown_timeout", "read",
+               "with capture on, a stopped server waits for consumers to publish instead of vLLM's default kill"),
 )
+# How long a server with capture consumers, stopped by a signal, lets the engine drain its requests and close
+# its consumers (which publish what they buffer, such as a sharded layout's last shard) before vLLM kills it.
+# vLLM's own default, 0, aborts requests and kills the engine's whole process tree at once.
+CAPTURE_SHUTDOWN_TIMEOUT_S = 30
 # Flags whose meaning api_server_count reads (vLLM's data-parallel launch rules).
 API_SERVER_FLAGS = ("api_server_count", "headless", "data_parallel_size", "data_parallel_size_local",
                     "data_parallel_rank", "data_parallel_start_rank", "data_parallel_external_lb",
@@ -60,6 +66,18 @@ def api_server_count(args: argparse.Namespace) -> int:
     if args.data_parallel_hybrid_lb or args.data_parallel_start_rank is not None:
         return args.data_parallel_size_local or 1
     return args.data_parallel_size
+
+
+def defer_shutdown_timeout(parser: argparse.ArgumentParser) -> None:
+    """Parse ``--shutdown-timeout`` as None when not given, so ``choose_shutdown_timeout`` can tell."""
+    parser.set_defaults(shutdown_timeout=None)
+
+
+def choose_shutdown_timeout(args: argparse.Namespace, capturing: bool) -> None:
+    """The user's ``--shutdown-timeout`` if given; else ``CAPTURE_SHUTDOWN_TIMEOUT_S`` with capture consumers
+    (vLLM's abort would kill them before they publish what they buffer), vLLM's 0 without."""
+    if args.shutdown_timeout is None:
+        args.shutdown_timeout = CAPTURE_SHUTDOWN_TIMEOUT_S if capturing else 0
 
 
 def allow_plugins(*names: str) -> None:
