@@ -1,6 +1,6 @@
 import numpy as np
 
-from vllm_interp.row_plan import READ_ALL, BatchLayout, plan_reads
+from vllm_interp.row_plan import BatchLayout, plan_reads
 
 
 def _layout():
@@ -21,9 +21,14 @@ def test_batch_slices_follow_the_flattened_layout():
     assert [s.req_id for s in _layout().slices(only={"c", "a"})] == ["a", "c"]  # batch order, only those
 
 
+def _masked(pick):
+    """An answer that builds the slice's positions and masks them with ``pick(req, positions)``."""
+    return lambda req, start, count: pick(req, np.arange(start, start + count))
+
+
 def test_plan_maps_positions_to_rows_in_batch_order():
     wanted = {"a": {20, 31}, "b": {40}, "c": {0, 4}}
-    plan = plan_reads(_slices(), lambda req, pos: np.isin(pos, list(wanted[req])))
+    plan = plan_reads(_layout(), {"a", "b", "c"}, _masked(lambda req, pos: np.isin(pos, list(wanted[req]))))
     assert plan.rows.tolist() == [4, 15, 16, 17, 21]
     assert [(r.req_id, r.slot_start, r.positions.tolist()) for r in plan.reads] == [
         ("a", 0, [20, 31]),
@@ -33,17 +38,22 @@ def test_plan_maps_positions_to_rows_in_batch_order():
 
 
 def test_requests_without_reads_take_no_slots():
-    plan = plan_reads(_slices(), lambda req, pos: None if req != "b" else np.ones(len(pos), bool))
+    plan = plan_reads(_layout(), {"a", "b", "c"}, _masked(lambda req, pos: np.ones(len(pos), bool) if req == "b"
+                                                           else None if req == "a" else np.zeros(len(pos), bool)))
     assert plan.rows.tolist() == [16]
     assert plan.num_rows == 1
+    only_b = plan_reads(_layout(), {"b"}, _masked(lambda req, pos: np.ones(len(pos), bool)))
+    assert only_b.rows.tolist() == [16]  # requests outside ``only`` are not asked
 
 
-def test_read_all_takes_every_row_of_the_slice_like_a_full_mask():
-    every = plan_reads(_slices(), lambda req, pos: READ_ALL if req != "b" else None)
-    masked = plan_reads(_slices(), lambda req, pos: np.ones(len(pos), bool) if req != "b" else None)
-    assert every.rows.tolist() == masked.rows.tolist() == [*range(16), *range(17, 22)]
-    assert [(r.req_id, r.slot_start, r.positions.tolist()) for r in every.reads] == [
-        (r.req_id, r.slot_start, r.positions.tolist()) for r in masked.reads]
+def test_a_first_position_reads_the_rest_of_the_slice_like_the_mask_it_stands_for():
+    for first in (0, 20, 31, 32, 41):
+        by_first = plan_reads(_layout(), {"a", "b", "c"}, lambda req, start, count, f=first: f)
+        masked = plan_reads(_layout(), {"a", "b", "c"}, _masked(lambda req, pos, f=first: pos >= f))
+        assert by_first.rows.tolist() == masked.rows.tolist()
+        assert [(r.req_id, r.slot_start, r.positions.tolist()) for r in by_first.reads] == [
+            (r.req_id, r.slot_start, r.positions.tolist()) for r in masked.reads]
+    assert plan_reads(_layout(), {"a"}, lambda *_: 20).rows.tolist() == list(range(4, 16))
 
 
 def test_steering_rows_follow_each_tokens_phase():

@@ -70,32 +70,35 @@ class ReadPlan:
         return int(self.rows.shape[0])
 
 
-# A selector's answer for a request that reads every position of its slice (every-token capture): no mask
-# to build and test per request and step.
-READ_ALL = True
+# What a request reads from its slice of a step: every position from this one on (an ``int``: every-token
+# capture, planned without a mask), those a boolean mask over the slice's positions picks, or nothing (None).
+ReadAnswer = int | np.ndarray | None
 
 
-def plan_reads(slices: list[BatchSlice],
-               selector: Callable[[str, np.ndarray], np.ndarray | bool | None]) -> ReadPlan:
-    """Assign read slots, in batch order, to the rows whose positions ``selector`` picks.
-
-    ``selector(req_id, positions)`` returns a boolean mask over ``positions``, ``READ_ALL``, or None (the
-    request reads nothing).
-    """
+def plan_reads(layout: BatchLayout, only: Container[str],
+               answer: Callable[[str, int, int], ReadAnswer]) -> ReadPlan:
+    """Assign read slots, in batch order, to the rows of the requests in ``only`` that ``answer(req_id,
+    position_start, num_tokens)`` picks."""
+    position_starts, num_tokens = layout.position_starts.tolist(), layout.num_tokens.tolist()
+    row_starts = layout.row_starts.tolist()
     rows: list[np.ndarray] = []
     reads: list[RequestReads] = []
     used = 0
-    for batch_slice in slices:
-        positions = batch_slice.positions
-        mask = selector(batch_slice.req_id, positions)
-        if mask is READ_ALL:
-            wanted = positions
-        elif mask is None or not mask.any():
+    for i, req_id in enumerate(layout.req_ids):
+        if req_id not in only:
             continue
+        start, stop = position_starts[i], position_starts[i] + num_tokens[i]
+        wanted = answer(req_id, start, num_tokens[i])
+        if wanted is None:
+            continue
+        if isinstance(wanted, np.ndarray):
+            positions = np.arange(start, stop)[wanted]
         else:
-            wanted = positions[mask]
-        rows.append(batch_slice.row_start + (wanted - batch_slice.position_start))
-        reads.append(RequestReads(batch_slice.req_id, used, wanted))
-        used += len(wanted)
+            positions = np.arange(max(start, wanted), stop)
+        if not len(positions):
+            continue
+        rows.append(positions + (row_starts[i] - start))
+        reads.append(RequestReads(req_id, used, positions))
+        used += len(positions)
     all_rows = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
     return ReadPlan(rows=all_rows.astype(np.int64), reads=reads)

@@ -6,13 +6,14 @@ import torch
 from vllm_interp.capture import store as store_module
 from vllm_interp.capture.consumer import ConsumerContext, EngineFacts
 from vllm_interp.capture.consumers.inline import InlineConsumer, ResidualReadout
+from vllm_interp.capture.consumers.logging import LoggingConsumer
 from vllm_interp.capture.dispatch import ConsumerRunner
 from vllm_interp.capture.isolation import InThread
 from vllm_interp.capture.spec import spec_to_wire, validate_capture_spec
 from vllm_interp.capture.store import CaptureStore
 from vllm_interp.models.registry import SiteBank
 from vllm_interp.request_args import EXTRA_ARGS_KEY
-from vllm_interp.row_plan import BatchLayout, plan_reads
+from vllm_interp.row_plan import BatchLayout
 
 LAYERS, HIDDEN = 2, 4
 
@@ -38,14 +39,7 @@ def extra_args(key: str, positions) -> dict:
 
 def step(store: CaptureStore, req_id: str, start: int, tokens: int, stream: torch.Tensor) -> None:
     """One step of one request computing positions start..start+tokens; ``stream`` is [tokens, hidden]."""
-    slices = BatchLayout.of([req_id], np.array([0, tokens]), np.array([start])).slices()
-    entry = store.lookup(req_id, None, 0)
-
-    def selector(_, positions):
-        store.note_progress(entry, int(positions[-1]) + 1)
-        return entry.select(positions)
-
-    plan = plan_reads(slices, selector)
+    plan = store.plan_reads(BatchLayout.of([req_id], np.array([0, tokens]), np.array([start])))
     reads = store.site_reads(plan, torch.device("cpu"))
     if reads is None:
         return
@@ -75,7 +69,8 @@ def test_steps_without_wanted_positions_read_nothing_and_unknown_keys_answer_emp
     store.lookup("r", extra_args("k", "last_prompt"), prompt_len=3)
     assert store.capturing
     step(store, "r", 0, 2, torch.randn(2, HIDDEN))  # positions 0-1: nothing wanted
-    assert store.site_reads(plan_reads([], lambda *_: None), torch.device("cpu")) is None
+    assert store.site_reads(store.plan_reads(BatchLayout.of([], np.array([0]), np.array([]))),
+                            torch.device("cpu")) is None
     step(store, "r", 2, 1, torch.randn(1, HIDDEN))
     assert store.results({"nosuch": 3}, wait_s=0) == {"nosuch": {}}
     assert store.results({"k": 4}, wait_s=5)["k"]["inline"]["rows"] == 1
@@ -101,10 +96,8 @@ def test_ranks_without_the_consumer_plan_the_same_rows_and_read_none():
     rank0, rank1 = make_store(), make_store(consumers=())
     plans = []
     for store in (rank0, rank1):
-        entry = store.lookup("r", extra_args("k", "all"), prompt_len=5)
-        slices = BatchLayout.of(["r"], np.array([0, 4]), np.array([0])).slices()
-        plans.append(plan_reads(slices, lambda _, positions, e=entry: e.select(positions) if e.reads_held_sites
-                                else None))
+        store.lookup("r", extra_args("k", "all"), prompt_len=5)
+        plans.append(store.plan_reads(BatchLayout.of(["r"], np.array([0, 4]), np.array([0]))))
     assert plans[0].num_rows == plans[1].num_rows == 4
     np.testing.assert_array_equal(plans[0].rows, plans[1].rows)
     assert rank0.site_reads(plans[0], torch.device("cpu")) is not None
@@ -144,10 +137,7 @@ def test_requests_of_one_step_wanting_different_sites_get_their_own_rows():
     streams = {site: torch.randn(2, 3, HIDDEN) for site in [(0, 0), (1, 2)]}  # [step, rows, hidden] per site
     for step_index, ids in enumerate([["wide", "narrow"], ["narrow"]]):
         starts = np.array([0, *np.cumsum([1] * len(ids))])
-        slices = BatchLayout.of(ids, starts, np.array([step_index] * len(ids))).slices()
-        for req_id in ids:
-            store.note_progress(store.live_entry(req_id), step_index + 1)
-        plan = plan_reads(slices, lambda req_id, positions: store.live_entry(req_id).select(positions))
+        plan = store.plan_reads(BatchLayout.of(ids, starts, np.array([step_index] * len(ids))))
         reads = store.site_reads(plan, torch.device("cpu"))
         for site in reads.sites:
             reads.out[site] = streams[site][step_index].index_select(0, reads.rows)
@@ -164,4 +154,29 @@ def test_requests_of_one_step_wanting_different_sites_get_their_own_rows():
     torch.testing.assert_close(wide_rows["1.post_block"], streams[(1, 2)][0, :1], rtol=0, atol=0)
     expected = torch.stack([streams[(1, 2)][0, 1], streams[(1, 2)][1, 0]])
     torch.testing.assert_close(narrow_rows["1.post_block"], expected, rtol=0, atol=0)
+    store.close()
+
+
+def test_open_ended_position_specs_plan_from_their_first_position_as_their_masks_would():
+    """Every-token specs (``all``, ``all_generated``, and unions that leave no gap) are planned from their first
+    position without a mask; the rows are those the specs' masks pick, over a prefill chunk and decode steps."""
+    engine, consumers = EngineFacts(LAYERS), {"inline": InlineConsumer, "logging": LoggingConsumer}
+
+    def lookup(store, req_id, positions):
+        spec = validate_capture_spec({name: {"hooks": {"post_block": [1]}, "positions": p}
+                                      for name, p in zip(consumers, positions, strict=False)},
+                                     engine=engine, consumers=consumers)
+        return store.lookup(req_id, {EXTRA_ARGS_KEY: {"capture": spec_to_wire(spec)}}, prompt_len=4)
+
+    store = make_store()
+    cases = [(("all",), 0), (("all_generated",), 4), (("all_generated", "last_prompt"), 3),
+             (("all_prompt", "all_generated"), 0), (("all_prompt",), None), (("all_generated", [1]), None)]
+    for i, (positions, first) in enumerate(cases):
+        entry = lookup(store, f"r{i}", positions)
+        assert entry.reads_from == first, positions
+        for start, count in [(0, 3), (3, 2), (5, 1)]:  # a prompt chunk, the prompt's end and a decode token
+            plan = store.plan_reads(BatchLayout.of([f"r{i}"], np.array([0, count]), np.array([start])))
+            expected = np.arange(start, start + count)[entry.select(np.arange(start, start + count))]
+            assert [r.positions.tolist() for r in plan.reads] == ([expected.tolist()] if len(expected) else [])
+            assert plan.rows.tolist() == (expected - start).tolist()
     store.close()

@@ -26,7 +26,7 @@ from vllm_interp.hooks import HOOK_INDEX, HOOKS, site_name
 from vllm_interp.models.registry import SiteBank
 from vllm_interp.models.site_ops import StepReads
 from vllm_interp.request_args import interp_args
-from vllm_interp.row_plan import READ_ALL, ReadPlan
+from vllm_interp.row_plan import BatchLayout, ReadAnswer, ReadPlan, plan_reads
 from vllm_interp.uploads import copy_into, to_device
 
 logger = logging.getLogger(__name__)
@@ -58,13 +58,23 @@ class _Entry:
         return None if None in ends else max(ends)
 
     @cached_property
-    def reads_every_position(self) -> bool:
-        return any(spec.positions == "all" for spec in self.all_specs.values())
+    def reads_from(self) -> int | None:
+        """The first position of a request whose specs together read every position from there on (every
+        position, or every generated one, with or without the prompt's end): its steps plan that range without
+        a mask. None when they read a bounded or scattered set."""
+        kinds = {spec.positions if isinstance(spec.positions, str) else "listed" for spec in self.all_specs.values()}
+        if "all" in kinds or {"all_generated", "all_prompt"} <= kinds:
+            return 0
+        if "all_generated" not in kinds or "listed" in kinds:
+            return None
+        return self.prompt_len - 1 if "last_prompt" in kinds else self.prompt_len
 
-    def select(self, positions: np.ndarray) -> np.ndarray | bool:
-        """Which of ``positions`` some spec reads: a mask, or ``READ_ALL``."""
-        if self.reads_every_position:
-            return READ_ALL
+    @cached_property
+    def site_set(self) -> frozenset[tuple[int, int]]:
+        return frozenset(self.sites)
+
+    def select(self, positions: np.ndarray) -> np.ndarray:
+        """Which of ``positions`` some spec reads (a mask)."""
         masks = [spec.select(positions, self.prompt_len) for spec in self.all_specs.values()]
         return np.logical_or.reduce(masks)
 
@@ -184,12 +194,26 @@ class CaptureStore:
             # Every position it reads is computed (a recompute after preemption would read the same rows).
             self._reading.discard(entry.req_id)
 
+    def plan_reads(self, layout: BatchLayout) -> ReadPlan:
+        """The rows this step reads: those of the requests that may still read, at the positions they want."""
+        return plan_reads(layout, self._reading, self._read_answer)
+
+    def _read_answer(self, req_id: str, position_start: int, num_tokens: int) -> ReadAnswer:
+        entry = self.live_entry(req_id)
+        self.note_progress(entry, position_start + num_tokens)
+        if not entry.reads_held_sites:
+            return None  # a pipeline stage holding none of the wanted layers has nothing to read
+        if entry.reads_from is not None:
+            return entry.reads_from
+        return entry.select(np.arange(position_start, position_start + num_tokens))
+
     def site_reads(self, plan: ReadPlan, device: torch.device) -> StepReads | None:
         """What the site ops read this step: the planned rows, at the sites some request of the step wants.
         Within the graph row budget the graph read buffers are armed too, for the case the step replays."""
         # A rank that runs none of the step's consumers plans the same rows (so it decides between graphs and
         # eager execution as the others do) but reads nothing.
-        sites = frozenset(site for reads in plan.reads for site in self._entries[reads.req_id].sites)
+        # Requests of a step mostly want the same sites: the union of the distinct sets, not of every request's.
+        sites = frozenset().union(*{self._entries[reads.req_id].site_set for reads in plan.reads})
         reads = StepReads(to_device(plan.rows, device), sites) if sites else None
         if self.bank.graph_read_rows:
             self._arm_graph_reads(reads if reads is not None and self.fits_graph(plan) else None)

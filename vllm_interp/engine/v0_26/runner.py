@@ -21,7 +21,7 @@ from vllm_interp.capture.store import CaptureStore
 from vllm_interp.engine.touchpoints import Touchpoint
 from vllm_interp.models.site_ops import STEP, StepPatches, StepReads
 from vllm_interp.patching.tables import PatchTables
-from vllm_interp.row_plan import BatchLayout, ReadPlan, plan_reads
+from vllm_interp.row_plan import BatchLayout, ReadPlan
 from vllm_interp.steering.tables import SteeringTables
 
 _RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
@@ -91,7 +91,7 @@ class InterpRunnerMixin:
         patching = self.interp_patching
         # Patching and capture act on a few requests of a large batch: only theirs get planned.
         patch = None if patching is None else patching.plan(layout.slices(only=patching.patched_ids))
-        reads = self._plan_reads(layout)
+        reads = self.interp_store.plan_reads(layout)
         self._interp_step = _StepPlan(steer, patch, reads, self.interp_store.site_reads(reads, self.device))
         return result
 
@@ -125,16 +125,6 @@ class InterpRunnerMixin:
         tables.load_index(index)
         return index is not None
 
-    def _plan_reads(self, layout: BatchLayout) -> ReadPlan:
-        store = self.interp_store
-
-        def selector(req_id, positions):
-            entry = store.live_entry(req_id)
-            store.note_progress(entry, int(positions[-1]) + 1)
-            # A pipeline stage holding none of the wanted layers has nothing to read.
-            return entry.select(positions) if entry.reads_held_sites else None
-
-        return plan_reads(layout.slices(only=store.reading_ids), selector)
 
 
 @cache
