@@ -98,18 +98,20 @@ class SteeringVectors:
                 h.update(np.ascontiguousarray(self.tiers[tier][name], dtype="<f4").tobytes())
         return h.hexdigest()[:32]
 
-    def to_wire(self) -> dict[str, dict[str, str]]:
-        """msgpack-plain form (base64 float32 per site) for ``extra_args`` and RPCs."""
+    def to_wire(self) -> dict[str, dict[str, bytes]]:
+        """msgpack-plain form (little-endian float32 bytes per site) for ``extra_args`` and RPCs: msgpack
+        carries bytes as they are, so neither side spends time on base64 (about 0.6 ms per all-layer request
+        in the worker, where every steered request's vectors are read as it is admitted)."""
         return {
-            tier: {name: base64.b64encode(vec.astype("<f4").tobytes()).decode() for name, vec in sites.items()}
+            tier: {name: vec.astype("<f4").tobytes() for name, vec in sites.items()}
             for tier, sites in self.tiers.items()
             if sites
         }
 
     @classmethod
-    def from_wire(cls, wire: Mapping[str, Mapping[str, str]]) -> "SteeringVectors":
+    def from_wire(cls, wire: Mapping[str, Mapping[str, bytes]]) -> "SteeringVectors":
         return cls({
-            tier: {name: np.frombuffer(base64.b64decode(data), dtype="<f4") for name, data in sites.items()}
+            tier: {name: np.frombuffer(data, dtype="<f4") for name, data in sites.items()}
             for tier, sites in wire.items()
         })
 
