@@ -1,0 +1,111 @@
+"""Host-side costs per step and per request, without an engine: what vllm-interp's Python adds where vLLM waits.
+
+    python -m benchmarks.host_costs [--requests 64] [--layers 16] [--hidden 2048] [--repeats 2000]
+
+- Capture planning for one decode step of ``--requests`` requests that each read every position (``all``) or
+  every generated one (``all_generated``) at ``post_block`` of every layer: ``CaptureStore.plan_reads`` and
+  ``site_reads``, as the runner calls them before every step.
+- One HTTP request's all-layer steering (``post_block`` of every layer, the compact base64 form): the JSON parse,
+  the frontend's validation and payload (``InterpFrontend.prepare``), and the worker's decoding of the payload
+  when the request is admitted (``SteeringVectors.from_wire``).
+
+Microseconds or milliseconds per call, medians of five timings of ``--repeats`` calls each.
+"""
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from vllm_interp.capture.consumer import ConsumerContext, EngineFacts
+from vllm_interp.capture.consumers.logging import LoggingConsumer
+from vllm_interp.capture.dispatch import ConsumerRunner
+from vllm_interp.capture.isolation import InThread
+from vllm_interp.capture.spec import spec_to_wire, validate_capture_spec
+from vllm_interp.capture.store import CaptureStore
+from vllm_interp.config import InterpConfig
+from vllm_interp.frontend import InterpFrontend
+from vllm_interp.models.registry import SiteBank
+from vllm_interp.request_args import EXTRA_ARGS_KEY
+from vllm_interp.row_plan import BatchLayout
+from vllm_interp.server.bodies import parse_json
+from vllm_interp.steering.vectors import ModelShape, SteeringVectors, pack_vectors
+
+
+def per_call_s(call: Callable[[], object], repeats: int) -> float:
+    call()
+    timings = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(repeats):
+            call()
+        timings.append((time.perf_counter() - start) / repeats)
+    return statistics.median(timings)
+
+
+def capture_store(layers: int, hidden: int) -> CaptureStore:
+    bank = SiteBank(layers=list(range(layers)), steer_index=torch.zeros(8, dtype=torch.long),
+                    steer_table=torch.zeros(layers, 3, 1, hidden),
+                    patch_index=torch.zeros(layers, 3, 1, dtype=torch.long),
+                    patch_values=torch.zeros(1, hidden), patch_alpha=torch.zeros(1), read_slot=torch.full((1,), -1),
+                    read_flags=torch.zeros(layers, 3), read_out=torch.zeros(layers, 3, 0, hidden))
+    context = ConsumerContext("logging", LoggingConsumer.validate_engine_options({}), "m", num_layers=layers,
+                              hidden_size=hidden)
+    runner = ConsumerRunner(InThread(LoggingConsumer(context)), policy="block", queue_bytes=1 << 20)
+    return CaptureStore(bank, num_layers=layers, model="m", consumers={"logging": runner}, global_spec={},
+                        external_id=str)
+
+
+def planning_us(positions: str, args: argparse.Namespace) -> float:
+    store = capture_store(args.layers, args.hidden)
+    spec = validate_capture_spec({"logging": {"hooks": {"post_block": "all"}, "positions": positions}},
+                                 engine=EngineFacts(args.layers), consumers={"logging": LoggingConsumer})
+    ids = [f"req-{i}" for i in range(args.requests)]
+    for req_id in ids:
+        store.lookup(req_id, {EXTRA_ARGS_KEY: {"capture": spec_to_wire(spec)}}, prompt_len=128)
+    layout = BatchLayout.of(ids, np.arange(args.requests + 1), np.full(args.requests, 200))  # one decode token each
+    try:
+        return per_call_s(lambda: store.site_reads(store.plan_reads(layout), torch.device("cpu")), args.repeats) * 1e6
+    finally:
+        store.close()
+
+
+def steering_ms(args: argparse.Namespace) -> dict[str, float]:
+    frontend = InterpFrontend.for_engine(InterpConfig(enable_steering=True, capture_consumers=()),
+                                         ModelShape(args.layers, args.hidden))
+    table = np.random.default_rng(0).standard_normal((args.layers, args.hidden)).astype(np.float32)
+    body = json.dumps({"model": "m", "prompt": list(range(512)), "max_tokens": 512, "stream": True,
+                       "steering_vectors": {"post_block": pack_vectors(dict(enumerate(table)))}}).encode()
+    fields = {"steering_vectors": parse_json(body, "application/json")["steering_vectors"]}
+    wire = frontend.prepare(fields, None, None, collect=True).payload["steering"]["vectors"]
+    repeats = max(args.repeats // 10, 20)
+    return {
+        "body KB": len(body) / 1024,
+        "JSON parse": per_call_s(lambda: parse_json(body, "application/json"), repeats) * 1e3,
+        "validation and payload (prepare)": per_call_s(lambda: frontend.prepare(fields, None, None, collect=True),
+                                                       repeats) * 1e3,
+        "worker decode (from_wire)": per_call_s(lambda: SteeringVectors.from_wire(wire), repeats) * 1e3,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=2000)
+    args = parser.parse_args()
+    print(f"Capture planning, one decode step of {args.requests} requests reading post_block of {args.layers} layers:")
+    for positions in ("all", "all_generated"):
+        print(f"  positions={positions}: {planning_us(positions, args):.0f} us a step")
+    print(f"One request's steering of post_block at {args.layers} layers x {args.hidden}:")
+    for what, value in steering_ms(args).items():
+        print(f"  {what}: {value:.3f}" + ("" if what == "body KB" else " ms"))
+
+
+if __name__ == "__main__":
+    main()
