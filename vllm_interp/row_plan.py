@@ -21,10 +21,6 @@ class BatchSlice:
     position_start: int
     num_tokens: int
 
-    @property
-    def positions(self) -> np.ndarray:
-        return np.arange(self.position_start, self.position_start + self.num_tokens)
-
 
 @dataclass(frozen=True)
 class BatchLayout:

@@ -126,7 +126,6 @@ class InterpRunnerMixin:
         return index is not None
 
 
-
 @cache
 def with_interp_runner(base: type) -> type:
     return type(f"Interp{base.__name__}", (InterpRunnerMixin, base), {})
