@@ -187,7 +187,7 @@ class CaptureStore:
         assert entry is not None, req_id  # live entries are never None
         return entry
 
-    def note_progress(self, entry: _Entry, num_computed: int) -> None:
+    def _note_progress(self, entry: _Entry, num_computed: int) -> None:
         entry.num_computed = max(entry.num_computed, num_computed)
         last = entry.last_position
         if last is not None and num_computed > last:
@@ -200,7 +200,7 @@ class CaptureStore:
 
     def _read_answer(self, req_id: str, position_start: int, num_tokens: int) -> ReadAnswer:
         entry = self.live_entry(req_id)
-        self.note_progress(entry, position_start + num_tokens)
+        self._note_progress(entry, position_start + num_tokens)
         if not entry.reads_held_sites:
             return None  # a pipeline stage holding none of the wanted layers has nothing to read
         if entry.reads_from is not None:
