@@ -1,15 +1,12 @@
 """What every engine benchmark shares: its command-line options, engine settings, prompts and sampling."""
 
 import argparse
-import os
 from typing import Any
 
 from vllm import SamplingParams
 
 from vllm_interp.default_model import resolve_model
 
-# vllm-interp runs on vLLM's V1 model runner; the baseline must too (V2 is the GPU default for dense models).
-os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
 ENGINE = dict(max_model_len=1024, kv_cache_memory_bytes=512 << 20, seed=0)
 
 

@@ -4,8 +4,9 @@
         [--max-tokens 512] [--rounds 2] [--workloads idle,steer_distinct,...] [--server-arg=--enforce-eager ...]
 
 Both servers start once, side by side, each with its engine core in its own process (how users run them):
-plain `vllm serve` on vLLM's V1 runner (the one vllm-interp hooks, so the ratios compare like with like;
-``--plain-runner default`` lets vLLM choose) and `vllm-interp serve` with steering, patching and the inline
+plain `vllm serve` and `vllm-interp serve`, both on the model runner vLLM picks (V2 for dense models on GPUs;
+``--runner v1`` puts both on V1, so the ratios compare like with like either way), vllm-interp with steering,
+patching and the inline
 and filesystem consumers enabled. Every round runs each workload as a pair, A then B: the same fresh prompts
 against plain vLLM without fields (the baseline) and against vllm-interp with the workload's fields, so drift
 shows as rounds that disagree. Ratios are feature / baseline; the summary takes the median over rounds.
@@ -246,7 +247,7 @@ def report(bench: Bench, started: str, card: str, wall_s: float, kv_tokens: tupl
              f"- Card: {card}", f"- Model: `{args.model}` ({bench.layers} layers, hidden {bench.hidden})",
              f"- Requests: {args.requests} at concurrency {args.concurrency} ({args.requests_c1} one at a time for "
              f"idle_c1), {args.prompt_tokens} random prompt tokens, {args.max_tokens} generated (ignore_eos), greedy",
-             f"- Plain vLLM runner: {args.plain_runner}; server args: `{' '.join(args.server_arg)}`",
+             f"- Model runner (both servers): {args.runner}; server args: `{' '.join(args.server_arg)}`",
              f"- KV cache: plain {kv_tokens[0]} tokens, vllm-interp {kv_tokens[1]} tokens",
              f"- Started {started}; {args.rounds} rounds, A (plain) then B (vllm-interp) per workload; {wall_s:.0f} s",
              "", "| round | workload | TTFT ms A / B | TPOT ms A / B | tok/s A / B | TTFT ratio | TPOT ratio | "
@@ -287,7 +288,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
-    parser.add_argument("--plain-runner", choices=("v1", "default"), default="v1")
+    parser.add_argument("--runner", choices=("default", "v1"), default="default",
+                        help="default: the one vLLM picks (V2 on GPUs); v1: VLLM_USE_V2_MODEL_RUNNER=0")
     parser.add_argument("--server-arg", action="append", default=[], help="passed to both servers (repeatable)")
     parser.add_argument("--start-timeout", type=float, default=600)
     args = parser.parse_args()
@@ -299,14 +301,15 @@ def main() -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     common = [args.model, "--max-model-len", str(args.prompt_tokens + args.max_tokens + 16), *args.server_arg]
     # Plain vLLM loads none of vllm-interp's plugins (they are visible to it through entry points).
-    plain_env = {**os.environ, "VLLM_PLUGINS": "",
-                 **({"VLLM_USE_V2_MODEL_RUNNER": "0"} if args.plain_runner == "v1" else {})}
+    runner_env = {"VLLM_USE_V2_MODEL_RUNNER": "0"} if args.runner == "v1" else {}
+    plain_env = {**os.environ, "VLLM_PLUGINS": "", **runner_env}
     interp_args = ["--enable-steering", "--max-steering-configs", str(max(args.concurrency, 8)), "--enable-patching",
                    "--capture-consumers", "inline", "--capture-consumers", f"filesystem:root={workdir / 'captures'}"]
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     began = time.monotonic()
     plain_url, plain = launch_server(common, workdir / "plain.log", plain_env, VLLM_MODULE)
-    interp_url, interp = launch_server([*common, *interp_args], workdir / "interp.log", None, VLLM_INTERP_MODULE)
+    interp_url, interp = launch_server([*common, *interp_args], workdir / "interp.log", {**os.environ, **runner_env},
+                                       VLLM_INTERP_MODULE)
     try:
         wait_healthy(plain_url, plain, workdir / "plain.log", args.start_timeout)
         wait_healthy(interp_url, interp, workdir / "interp.log", args.start_timeout)

@@ -190,7 +190,7 @@ class LLM(vllm.LLM):
         adapter("offline").shutdown(self)
 
     def describe_sites(self) -> list[dict[str, Any]]:
-        """The installed sites on each worker (layers held, hooks)."""
+        """The installed sites on each worker (layers held, hooks) and the vLLM model runner it hooked (V1, V2)."""
         return self.collective_rpc("interp_describe_sites")
 
     def _capture_specs(self, count: int, capture: SpecArg, readout: SpecArg) -> list[CaptureSpec | None]:

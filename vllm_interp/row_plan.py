@@ -98,3 +98,12 @@ def plan_reads(layout: BatchLayout, only: Container[str],
         used += len(positions)
     all_rows = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
     return ReadPlan(rows=all_rows.astype(np.int64), reads=reads)
+
+
+def count_rows(wanted: ReadAnswer, position_start: int, num_tokens: int) -> int:
+    """How many rows ``plan_reads`` assigns for one answer about a slice (for deciding before the plan)."""
+    if wanted is None:
+        return 0
+    if isinstance(wanted, np.ndarray):
+        return int(np.count_nonzero(wanted))
+    return max(0, position_start + num_tokens - max(position_start, wanted))

@@ -36,6 +36,7 @@ def test_bad_specs_are_refused_naming_the_field(smollm2_llm, capture, message):
 def test_generated_positions_and_sites_are_described(smollm2_llm):
     (sites,) = smollm2_llm.describe_sites()
     assert sites["layers"] == list(range(30)) and sites["hooks"] == ["pre_attn", "post_attn", "post_block"]
+    assert sites["runner"] == "V1"  # vLLM runs V2 on GPUs only
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     (out,) = smollm2_llm.generate(["The capital of France is"], params, use_tqdm=False,
                                   readout={"hooks": {"post_attn": [3]}, "positions": "all_generated"})

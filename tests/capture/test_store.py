@@ -175,7 +175,10 @@ def test_open_ended_position_specs_plan_from_their_first_position_as_their_masks
         entry = lookup(store, f"r{i}", positions)
         assert entry.reads_from == first, positions
         for start, count in [(0, 3), (3, 2), (5, 1)]:  # a prompt chunk, the prompt's end and a decode token
+            # The V2 runner counts a step's rows before it lays the batch out: the count is the plan's.
+            counted = store.count_reads([(f"r{i}", start, count)])
             plan = store.plan_reads(BatchLayout.of([f"r{i}"], np.array([0, count]), np.array([start])))
+            assert counted == plan.num_rows, (positions, start)
             expected = np.arange(start, start + count)[entry.select(np.arange(start, start + count))]
             assert [r.positions.tolist() for r in plan.reads] == ([expected.tolist()] if len(expected) else [])
             assert plan.rows.tolist() == (expected - start).tolist()

@@ -8,7 +8,8 @@ from vllm.v1.core import kv_cache_utils
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_interp.engine.touchpoints import Touchpoint, VllmInternalsMismatch, check_attributes, check_touchpoints
-from vllm_interp.engine.v0_26 import all_touchpoints, prefix_cache_keys, runner, serve
+from vllm_interp.engine.v0_26 import all_touchpoints, prefix_cache_keys, runner_v1, runner_v2, serve
+from vllm_interp.engine.v0_26.runner import hooks_for
 from vllm_interp.engine.versions import adapter
 
 
@@ -22,10 +23,30 @@ def test_every_touchpoint_holds_on_the_installed_vllm():
 def test_a_missing_method_is_named_with_the_reason(monkeypatch):
     monkeypatch.delattr(GPUModelRunner, "_model_forward")
     with pytest.raises(VllmInternalsMismatch) as caught:
-        check_touchpoints(runner.TOUCHPOINTS)
+        check_touchpoints(runner_v1.TOUCHPOINTS)
     message = str(caught.value)
     assert "vllm.v1.worker.gpu_model_runner:GPUModelRunner._model_forward: missing" in message
     assert "vllm-interp overrides it: the plan is published to the site op around the forward" in message
+
+
+def test_the_v2_runner_is_checked_too(monkeypatch):
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
+
+    monkeypatch.setattr(V2Runner, "execute_model", lambda self, scheduler_output: None)
+    with pytest.raises(VllmInternalsMismatch) as caught:
+        check_touchpoints(runner_v2.TOUCHPOINTS)
+    message = str(caught.value)
+    assert ("vllm.v1.worker.gpu.model_runner:GPUModelRunner.execute_model: no parameter intermediate_tensors, "
+            "dummy_run, skip_attn_for_dummy_run, is_profile") in message
+
+
+def test_a_runner_neither_mixin_hooks_is_named():
+    class TPUModelRunner:
+        pass
+
+    with pytest.raises(RuntimeError, match=r"hooks vLLM's V1 and V2 model runners; this worker runs "
+                                           r"tests\.engine\.test_touchpoints\.TPUModelRunner"):
+        hooks_for(TPUModelRunner())
 
 
 def test_a_reshaped_function_is_named_with_the_parameter(monkeypatch):
@@ -53,7 +74,7 @@ def test_live_state_is_checked_by_attribute_path():
         input_batch = Batch()
 
     with pytest.raises(VllmInternalsMismatch) as caught:
-        check_attributes(Runner(), "GPUModelRunner", runner.RUNNER_ATTRIBUTES)
+        check_attributes(Runner(), "GPUModelRunner", runner_v1.ATTRIBUTES)
     message = str(caught.value)
     assert "GPUModelRunner.input_batch.num_computed_tokens_cpu: missing on Runner" in message
     assert "GPUModelRunner.query_start_loc.np: missing" in message

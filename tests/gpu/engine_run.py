@@ -4,7 +4,8 @@
 
 Each mode is one ``vllm_interp.LLM`` on the same random fp32 Llama: ``eager`` (one GPU, the reference),
 ``graphs`` (one GPU, torch.compile + CUDA graphs), ``tp2`` and ``pp2`` (two GPUs, eager), ``tp2_graphs`` (two
-GPUs, graphs) and ``graphs_mp`` (``graphs`` with the engine core in its own process). It runs the same
+GPUs, graphs) and ``graphs_mp`` (``graphs`` with the engine core in its own process), all on the model runner
+vLLM picks (V2), and ``v1_eager``, ``v1_graphs`` (``eager``, ``graphs`` on the V1 runner). It runs the same
 workloads in every mode (parity read-outs, capture to consumers; a patch grid in the first four; steering in
 ``STEERED_MODES``; last, the parity prompts with no capture) and saves plain data (tensors, lists, strings), so
 the tests can compare modes.
@@ -38,18 +39,25 @@ GREEDY = dict(temperature=0.0, max_tokens=6, ignore_eos=True)
 FILE_SITES = {"post_block": [1, 2]}
 # The token ids a patch grid is graded by (the answer's and the foil's logprob at the first generated token).
 PATCH_GRADED = (17, 42)
+# The graph modes on one GPU read at most 8 rows inside a replayed graph: steps capturing more (prefill chunks of
+# 16 tokens) run eagerly, so both ways a capturing step runs are compared with eager's rows.
 MODES = {
     "eager": dict(enforce_eager=True),
-    "graphs": dict(enforce_eager=False),
+    "graphs": dict(enforce_eager=False, max_graph_capture_rows=8),
+    "v1_eager": dict(enforce_eager=True),
+    "v1_graphs": dict(enforce_eager=False, max_graph_capture_rows=8),
     "tp2": dict(enforce_eager=True, tensor_parallel_size=2),
     "pp2": dict(enforce_eager=True, pipeline_parallel_size=2),
     "tp2_graphs": dict(enforce_eager=False, tensor_parallel_size=2),
     "graphs_mp": dict(enforce_eager=False),
 }
 # Steering under graphs is the question, on one GPU and across two with TP (graph replays on every rank).
-STEERED_MODES = ("eager", "graphs", "tp2_graphs", "graphs_mp")
+STEERED_MODES = ("eager", "graphs", "tp2_graphs", "graphs_mp", "v1_eager", "v1_graphs")
 # The patch grid is compared in test_patching.py for these modes only; the others skip it to save device time.
-PATCHED_MODES = ("eager", "graphs", "tp2", "pp2")
+PATCHED_MODES = ("eager", "graphs", "tp2", "pp2", "v1_eager", "v1_graphs")
+# Modes on vLLM's V1 model runner (the caller sets VLLM_USE_V2_MODEL_RUNNER=0); the others run on the one vLLM
+# picks for this model on a GPU, V2.
+V1_MODES = ("v1_eager", "v1_graphs")
 # Modes whose engine core runs in its own process (vLLM's default; the caller sets the variable per mode).
 MULTIPROCESS_MODES = ("graphs_mp",)
 # Engine starts in a multiprocess mode's process: the first runs the workloads, the others probe the start-up
@@ -178,7 +186,8 @@ def start_engine(mode: str, model: Path, capture_root: Path) -> tuple[LLM, dict]
 def run(mode: str, model: Path, capture_root: Path) -> dict:
     llm, start_info = start_engine(mode, model, capture_root)
     result = {"mode": mode, "engine_init_s": start_info["init_s"], "starts": [start_info],
-              "cudagraph_mode": str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode)}
+              "cudagraph_mode": str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode),
+              "runners": [sites["runner"] for sites in llm.describe_sites()]}
     sequences, readouts = engine_sequences_and_readouts(llm, prompts(1), max_tokens=GREEDY["max_tokens"])
     result["parity"] = {"sequences": sequences, "readouts": _readout_data(readouts)}
     result["capture"] = capture_to_consumers(llm)
@@ -186,6 +195,7 @@ def run(mode: str, model: Path, capture_root: Path) -> dict:
         result["patching"] = patch(llm)
     if mode in STEERED_MODES:
         result["steering"] = steer(llm)
+    result["capture_steps"] = llm.collective_rpc("interp_capture_steps")
     # The parity prompts a third time, with no capture: tells a wrong forward from a capture that disturbs it.
     plain = llm.generate([{"prompt_token_ids": p} for p in prompts(1)], SamplingParams(**GREEDY), use_tqdm=False)
     result["plain_tokens"] = [list(o.outputs[0].token_ids) for o in plain]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.gpu.engine_run import MULTIPROCESS_MODES, build_llama, gpus_needed
+from tests.gpu.engine_run import MULTIPROCESS_MODES, V1_MODES, build_llama, gpus_needed
 from vllm_interp.capture.consumers.inline import ResidualReadout
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,7 +27,7 @@ MODE_TIMEOUT_S = {mode: 240 for mode in MULTIPROCESS_MODES}
 # After SIGABRT, time for every process of a stuck mode to write its thread stacks before SIGKILL.
 DUMP_GRACE_S = 15
 # The one-GPU modes, asked for together so that they share the GPUs from the start.
-ONE_GPU_MODES = ("eager", "graphs", "graphs_mp")
+ONE_GPU_MODES = ("eager", "graphs", "graphs_mp", "v1_eager", "v1_graphs")
 
 
 class _ModeProcess:
@@ -40,6 +40,9 @@ class _ModeProcess:
         # PYTHONFAULTHANDLER: every Python process of the mode (the engine core and workers inherit it) writes
         # all its threads' stacks on SIGABRT, which is how a stuck mode is ended (see finish).
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": multiprocessing, "PYTHONFAULTHANDLER": "1"}
+        env.pop("VLLM_USE_V2_MODEL_RUNNER", None)  # vLLM's own choice (V2), unless the mode asks for V1
+        if mode in V1_MODES:
+            env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(gpu)
         command = [sys.executable, "-m", "tests.gpu.engine_run", mode, str(modes.model),

@@ -1,5 +1,6 @@
-"""Capture under CUDA graphs, tensor parallel 2 (eager and with graphs), pipeline parallel 2 and with the
-engine core in its own process gives the rows one eager GPU gives, and every consumer gets every row."""
+"""Capture under CUDA graphs, tensor parallel 2 (eager and with graphs), pipeline parallel 2, with the engine
+core in its own process and on vLLM's V1 runner gives the rows one eager GPU (V2) gives, and every consumer gets
+every row."""
 
 import json
 from pathlib import Path
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.gpu
 # worst of them and 10x tighter than the bound against transformers.
 SAME_MODEL_REL_TOL = 5e-4
 # Every mode but the reference; the one-GPU modes first, so that they start side by side.
-OTHER_MODES = ["graphs", "graphs_mp", "tp2", "tp2_graphs", "pp2"]
+OTHER_MODES = ["graphs", "graphs_mp", "v1_eager", "v1_graphs", "tp2", "tp2_graphs", "pp2"]
 
 
 def _last_layer_logprobs(model: Path, row: torch.Tensor) -> torch.Tensor:

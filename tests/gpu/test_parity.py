@@ -1,9 +1,10 @@
-"""Residual parity on the GPU: every site at every position against transformers, CUDA graphs on and off."""
+"""Residual parity on the GPU: every site at every position against transformers, CUDA graphs on and off, on
+both of vLLM's model runners (V2, vLLM's pick for this model, and V1)."""
 
 import pytest
 
-from tests.gpu.engine_run import LAYERS
-from tests.gpu.modes import readouts, report
+from tests.gpu.engine_run import LAYERS, V1_MODES
+from tests.gpu.modes import ONE_GPU_MODES, readouts, report
 from tests.parity import compare
 from tests.reference import hf_residuals
 from tests.zoo import _input_of
@@ -17,12 +18,13 @@ pytestmark = pytest.mark.gpu
 VS_TRANSFORMERS_REL_TOL = 5e-3
 
 
-@pytest.mark.parametrize("mode", ["graphs", "eager"])
+@pytest.mark.parametrize("mode", ["graphs", "eager", "v1_graphs", "v1_eager"])
 def test_every_site_matches_transformers(engines, mode):
-    # Both one-GPU engines are asked for together so that they start side by side.
-    result = engines("eager", "graphs")[mode]
-    # Graph mode must really have graphs, or this would be a second eager run.
-    assert ("NONE" in result["cudagraph_mode"]) == (mode == "eager"), result["cudagraph_mode"]
+    # The one-GPU engines are asked for together so that they start side by side.
+    result = engines(*ONE_GPU_MODES)[mode]
+    # Graph mode must really have graphs, or this would be a second eager run; each mode its own runner.
+    assert ("NONE" in result["cudagraph_mode"]) == mode.endswith("eager"), result["cudagraph_mode"]
+    assert result["runners"] == ["V1" if mode in V1_MODES else "V2"]
     parity = result["parity"]
     references = hf_residuals(engines.model, parity["sequences"], _input_of("post_attention_layernorm"))
     report(f"{mode} vs transformers", compare(readouts(parity), references, LAYERS, rel_tol=VS_TRANSFORMERS_REL_TOL))

@@ -1,13 +1,14 @@
 """Patching on GPUs: every (hook, layer, position) cell of a grid patched from a clean run grades the same
 under CUDA graphs (patched steps keep their graphs: the op's full-width write is what they replay), tensor
-parallel 2 and pipeline parallel 2 as on one eager GPU, and one eager GPU grades as transformers does."""
+parallel 2, pipeline parallel 2 and on vLLM's V1 runner as on one eager GPU (V2), and one eager GPU grades as
+transformers does."""
 
 import numpy as np
 import pytest
 import torch
 
 from tests.gpu.engine_run import PATCH_GRADED
-from tests.gpu.modes import print_figure
+from tests.gpu.modes import print_figure, with_eager
 from tests.reference import HookedReference
 from tests.zoo import _input_of
 from vllm_interp.hooks import site_name
@@ -20,9 +21,9 @@ SAME_MODEL_TOL = 1e-3
 VS_TRANSFORMERS_TOL = 5e-3
 
 
-@pytest.mark.parametrize("mode", ["graphs", "tp2", "pp2"])
+@pytest.mark.parametrize("mode", ["graphs", "tp2", "pp2", "v1_eager", "v1_graphs"])
 def test_patched_cells_grade_as_on_one_eager_gpu(engines, mode):
-    results = engines("eager", "graphs") if mode == "graphs" else engines("eager", mode)
+    results = with_eager(engines, mode)
     got, want = results[mode]["patching"], results["eager"]["patching"]
     assert got["statuses"] == ["ok"] * len(got["cells"]), got["statuses"]
     diff = float(np.max(np.abs(np.subtract(got["logprobs"], want["logprobs"]))))

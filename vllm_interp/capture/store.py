@@ -8,7 +8,7 @@ global captures); whichever comes first.
 """
 
 import logging
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Iterable
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -26,7 +26,7 @@ from vllm_interp.hooks import HOOK_INDEX, HOOKS, site_name
 from vllm_interp.models.registry import SiteBank
 from vllm_interp.models.site_ops import StepReads
 from vllm_interp.request_args import interp_args
-from vllm_interp.row_plan import BatchLayout, ReadAnswer, ReadPlan, plan_reads
+from vllm_interp.row_plan import BatchLayout, ReadAnswer, ReadPlan, count_rows, plan_reads
 from vllm_interp.uploads import copy_into, to_device
 
 logger = logging.getLogger(__name__)
@@ -146,6 +146,8 @@ class CaptureStore:
         self._armed_sites = False
         self._copier: HostCopier | None = None  # device -> host copies of read rows, started on first use
         self._site_index: dict[tuple[tuple[int, int], ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        # Steps that read rows, by how the sites read them: inside a replayed CUDA graph, or eagerly.
+        self.read_steps = {"graph": 0, "eager": 0}
 
     # -- planning ---------------------------------------------------------------------------------------
     def lookup(self, req_id: str, extra_args: dict[str, Any] | None, prompt_len: int) -> _Entry | None:
@@ -198,9 +200,20 @@ class CaptureStore:
         """The rows this step reads: those of the requests that may still read, at the positions they want."""
         return plan_reads(layout, self._reading, self._read_answer)
 
+    def count_reads(self, scheduled: Iterable[tuple[str, int, int]]) -> int:
+        """How many rows a step scheduling these ``(req_id, position_start, num_tokens)`` would read, without
+        planning it (a runner that must choose between graphs and eager execution before it lays out the batch
+        asks this first; requests that read nothing may be left out)."""
+        return sum(count_rows(self._wanted(self.live_entry(req_id), start, count), start, count)
+                   for req_id, start, count in scheduled if req_id in self._reading)
+
     def _read_answer(self, req_id: str, position_start: int, num_tokens: int) -> ReadAnswer:
         entry = self.live_entry(req_id)
         self._note_progress(entry, position_start + num_tokens)
+        return self._wanted(entry, position_start, num_tokens)
+
+    @staticmethod
+    def _wanted(entry: _Entry, position_start: int, num_tokens: int) -> ReadAnswer:
         if not entry.reads_held_sites:
             return None  # a pipeline stage holding none of the wanted layers has nothing to read
         if entry.reads_from is not None:
@@ -216,12 +229,12 @@ class CaptureStore:
         sites = frozenset().union(*{self._entries[reads.req_id].site_set for reads in plan.reads})
         reads = StepReads(to_device(plan.rows, device), sites) if sites else None
         if self.bank.graph_read_rows:
-            self._arm_graph_reads(reads if reads is not None and self.fits_graph(plan) else None)
+            self._arm_graph_reads(reads if reads is not None and self.fits_graph(plan.num_rows) else None)
         return reads
 
-    def fits_graph(self, plan: ReadPlan) -> bool:
-        """Whether a step reading ``plan`` may replay CUDA graphs (the same answer on every rank)."""
-        return plan.num_rows <= self.bank.graph_read_rows
+    def fits_graph(self, num_rows: int) -> bool:
+        """Whether a step reading ``num_rows`` rows may replay CUDA graphs (the same answer on every rank)."""
+        return num_rows <= self.bank.graph_read_rows
 
     def _arm_graph_reads(self, reads: StepReads | None) -> None:
         """Point the graph read buffers at this step's rows and sites, and clear what the last step set."""
@@ -244,6 +257,7 @@ class CaptureStore:
     def collect(self, plan: ReadPlan, reads: StepReads) -> None:
         """Start copying this step's rows off the device, in one transfer, without waiting for it."""
         self._drain(needed=())  # file earlier steps' copies that have landed
+        self.read_steps["eager" if reads.out else "graph"] += 1
         if reads.out:  # the step ran eagerly: the op handed its rows over
             sites = sorted(reads.out)
             block = torch.stack([reads.out[site] for site in sites])

@@ -1,6 +1,5 @@
 """Turning an InterpConfig into vLLM engine arguments (shared by the offline LLM and `vllm-interp serve`)."""
 
-import os
 from typing import Any
 
 from vllm_interp.capture.plugins import configure_consumers
@@ -40,6 +39,4 @@ def interp_engine_args(
     internals = adapter()
     if worker_cls not in ("auto", internals.CPU_WORKER, internals.GPU_WORKER):
         raise ValueError(f"vllm-interp needs its own worker class; got worker_cls={worker_cls!r}")
-    for name, value in internals.engine_env().items():
-        os.environ.setdefault(name, value)
     return platform_worker_cls(), config.to_additional_config(additional_config)

@@ -6,8 +6,8 @@ anything; a mismatch stops start-up with ``VllmInternalsMismatch`` naming the in
 - ``prefix_cache_keys``: block-hash extra keys (patch); checked when installed, in every process.
 - ``scheduler_gate``: the scheduler class vLLM picks (patch), ``schedule``/``add_request``, request queues;
   checked when installed, and a live scheduler's state on its first pass.
-- ``runner``: V1 ``GPUModelRunner`` step methods (override) and batch state (read); checked when a worker
-  loads the model.
+- ``runner_v1``, ``runner_v2``: the V1 and V2 ``GPUModelRunner`` step methods (override) and batch state
+  (read), for whichever runner vLLM picked (``runner``); checked when a worker loads the model.
 - ``worker``, ``cpu_worker``: ``Worker.load_model``/``shutdown`` (override), parallel ranks; same.
 - ``request_ids``: the engine's request-id format (the caller's id plus a random suffix); same.
 - ``openai_params``: the OpenAI request classes' ``to_sampling_params`` (patch), so the HTTP middleware's
@@ -16,25 +16,12 @@ anything; a mismatch stops start-up with ``VllmInternalsMismatch`` naming the in
   grace period; checked when ``vllm-interp serve`` starts.
 - ``offline``: the offline ``LLM``'s engine core (shutdown) and model config; checked when
   ``vllm_interp.LLM`` starts.
-- here: ``VLLM_USE_V2_MODEL_RUNNER``; checked when engine arguments are built.
 """
 
-from vllm_interp.engine.touchpoints import Touchpoint, check_touchpoints
+from vllm_interp.engine.touchpoints import Touchpoint
 
 CPU_WORKER = "vllm_interp.engine.v0_26.cpu_worker.InterpCPUWorker"
 GPU_WORKER = "vllm_interp.engine.v0_26.worker.InterpGPUWorker"
-
-# The runner mixin hooks the V1 runner; vLLM 0.26 would pick V2 for dense GPU models.
-ENGINE_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
-ENV_TOUCHPOINTS = (
-    Touchpoint("env:VLLM_USE_V2_MODEL_RUNNER", "env", "keeps vLLM on the V1 runner the mixin hooks"),
-)
-
-
-def engine_env() -> dict[str, str]:
-    """Environment the engine's processes need (set by default, a user's own setting wins)."""
-    check_touchpoints(ENV_TOUCHPOINTS)
-    return dict(ENGINE_ENV)
 
 
 def install_engine_core_patches() -> None:
@@ -59,6 +46,6 @@ def all_touchpoints() -> tuple[Touchpoint, ...]:
         worker,
     )
 
-    return (*ENV_TOUCHPOINTS, *prefix_cache_keys.TOUCHPOINTS, *scheduler_gate.TOUCHPOINTS, *runner.TOUCHPOINTS,
+    return (*prefix_cache_keys.TOUCHPOINTS, *scheduler_gate.TOUCHPOINTS, *runner.all_touchpoints(),
             *worker.TOUCHPOINTS, *request_ids.TOUCHPOINTS, *serve.TOUCHPOINTS, *offline.TOUCHPOINTS,
             *openai_params.TOUCHPOINTS)

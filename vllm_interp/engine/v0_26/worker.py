@@ -1,9 +1,10 @@
 """The worker mixin, and vLLM's GPU worker with it: the hook sites, installed right after the model loads.
 
 ``load_model`` runs before the profile run (the first Dynamo trace) and before CUDA-graph capture, so
-every compiled graph contains the sites. The runner's class is swapped for one with the
-``InterpRunnerMixin``; the capture store (with its consumers) and the steering tables are attached to it.
-Before anything is hooked, the worker's and the runner's touchpoints are checked against the installed vLLM.
+every compiled graph contains the sites. The runner's class is swapped for one with the mixin for the runner
+vLLM picked (V1 or V2, ``runner.py``); the capture store (with its consumers), the steering and patch tables
+are attached to it. Before anything is hooked, the worker's and the runner's touchpoints are checked against
+the installed vLLM.
 """
 
 import json
@@ -11,7 +12,6 @@ from typing import Any
 
 from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
 from vllm.model_executor.models.utils import PPMissingLayer
-from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker
 
 from vllm_interp.capture.consumer import ConsumerContext, EngineFacts
@@ -21,10 +21,9 @@ from vllm_interp.capture.plugins import configure_consumers
 from vllm_interp.capture.spec import validate_capture_spec
 from vllm_interp.capture.store import CaptureStore
 from vllm_interp.config import InterpConfig
-from vllm_interp.engine.touchpoints import Touchpoint, check_attributes, check_touchpoints
+from vllm_interp.engine.touchpoints import Touchpoint, check_touchpoints
 from vllm_interp.engine.v0_26 import request_ids
-from vllm_interp.engine.v0_26 import runner as runner_touchpoints
-from vllm_interp.engine.v0_26.runner import with_interp_runner
+from vllm_interp.engine.v0_26.runner import hooks_for
 from vllm_interp.engine.versions import check_vllm_version
 from vllm_interp.models.registry import install_sites
 from vllm_interp.patching.sources import SOURCES
@@ -46,16 +45,11 @@ TOUCHPOINTS = (
 class InterpWorkerMixin:
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         check_vllm_version()
-        check_touchpoints((*TOUCHPOINTS, *runner_touchpoints.TOUCHPOINTS, *request_ids.TOUCHPOINTS))
+        runner_hooks = hooks_for(self.model_runner)  # built by init_device, before the model loads
+        check_touchpoints((*TOUCHPOINTS, *runner_hooks.touchpoints, *request_ids.TOUCHPOINTS))
         super().load_model(*args, **kwargs)
         config = InterpConfig.from_additional_config(self.vllm_config.additional_config) or InterpConfig()
         runner = self.model_runner
-        if not isinstance(runner, GPUModelRunner):
-            raise RuntimeError(
-                f"vllm-interp hooks vLLM's V1 model runner, but this worker runs {type(runner).__name__}; "
-                "set VLLM_USE_V2_MODEL_RUNNER=0 (vllm_interp.LLM and `vllm-interp serve` do so by default)"
-            )
-        check_attributes(runner, "GPUModelRunner", runner_touchpoints.RUNNER_ATTRIBUTES)
         model_config = self.vllm_config.model_config
         steer_rows = table_rows(config.max_steering_configs) if config.enable_steering else 1
         bank = install_sites(
@@ -70,13 +64,14 @@ class InterpWorkerMixin:
             graph_read_rows=config.graph_read_rows if runner.device.type == "cuda" else 0,
             is_held=lambda layer: not isinstance(layer, PPMissingLayer),
         )
-        runner.__class__ = with_interp_runner(type(runner))
-        runner.interp_store = self._capture_store(config, bank)
-        runner.interp_steering = SteeringTables(bank, config.max_steering_configs) if config.enable_steering else None
-        runner.interp_patching = None
+        runner_hooks.install(runner)
+        self.interp_runner = runner_hooks.name
+        patching = None
         if config.enable_patching:
             SOURCES.budget_bytes = config.patch_source_bytes
-            runner.interp_patching = PatchTables(bank, SOURCES)
+            patching = PatchTables(bank, SOURCES)
+        runner.attach(self._capture_store(config, bank),
+                      SteeringTables(bank, config.max_steering_configs) if config.enable_steering else None, patching)
 
     def _capture_store(self, config: InterpConfig, bank) -> CaptureStore:
         model_config = self.vllm_config.model_config
@@ -105,7 +100,11 @@ class InterpWorkerMixin:
                             consumers=runners, global_spec=global_spec, external_id=request_ids.external_request_id)
 
     def interp_describe_sites(self) -> dict[str, Any]:
-        return self.model_runner.interp_store.bank.descriptor()
+        return {**self.model_runner.interp_store.bank.descriptor(), "runner": self.interp_runner}
+
+    def interp_capture_steps(self) -> dict[str, int]:
+        """How many steps read rows inside replayed CUDA graphs and how many ran eagerly to read them."""
+        return dict(self.model_runner.interp_store.read_steps)
 
     def interp_set_global_steering(self, wire: dict[str, Any]) -> None:
         tables = self.model_runner.interp_steering

@@ -1,0 +1,100 @@
+"""What both runner mixins (V1 ``runner_v1.py``, V2 ``runner_v2.py``) do around a step, whichever runner calls it.
+
+A step goes: admit the requests that arrive (each one's capture, patch and steering specs decoded once) and
+finish those that end; plan the step's rows from its flattened layout (steering rows, patched rows, read
+rows); publish the plan to the site op (``STEP``) for the forward; then retire it, starting the copy of
+whatever the sites read. The mixins differ only in which vLLM methods they override to reach these points.
+Mixins cannot rely on ``__init__``: the worker attaches the capture store, the steering and patch tables with
+``attach`` right after it swaps the runner's class.
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from vllm_interp.capture.store import CaptureStore
+from vllm_interp.models.site_ops import STEP, StepPatches, StepReads
+from vllm_interp.patching.tables import PatchTables
+from vllm_interp.row_plan import BatchLayout, ReadPlan
+from vllm_interp.steering.tables import SteeringTables
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    steer: bool
+    patch: StepPatches | None
+    reads: ReadPlan
+    site_reads: StepReads | None  # what the site op reads (None: this step reads nothing)
+
+
+class InterpSteps:
+    interp_store: CaptureStore
+    interp_steering: SteeringTables | None
+    interp_patching: PatchTables | None
+    _interp_step: StepPlan | None = None
+
+    def attach(self, store: CaptureStore, steering: SteeringTables | None, patching: PatchTables | None) -> None:
+        self.interp_store, self.interp_steering, self.interp_patching = store, steering, patching
+        self._interp_step = None
+
+    def interp_request(self, req_id: str) -> tuple[dict[str, Any] | None, int]:
+        """A scheduled request's ``extra_args`` (where its specs travel) and prompt length."""
+        raise NotImplementedError
+
+    def _interp_admit(self, req_id: str, extra_args: dict[str, Any] | None, prompt_len: int) -> None:
+        # Each request's capture spec is decoded once, when it arrives, so that a step can tell at a glance
+        # whether anything in the batch captures; its patch sources are resolved then too.
+        self.interp_store.lookup(req_id, extra_args, prompt_len)
+        if self.interp_patching is not None:
+            self.interp_patching.lookup(req_id, extra_args, prompt_len)
+
+    def _interp_finish(self, finished_req_ids: set[str]) -> None:
+        """The scheduler's finished requests (not preempted ones, which come back): captures handed on."""
+        self.interp_store.finish(finished_req_ids)
+        if self.interp_patching is not None:
+            self.interp_patching.finish(finished_req_ids)
+
+    def _interp_plan(self, req_ids: list[str], query_start_loc: np.ndarray, num_computed: np.ndarray) -> None:
+        """Plan the step laid out as vLLM's runner laid it out (``num_computed``: per request, in batch order)."""
+        self._interp_step = None
+        if self.interp_steering is None and self.interp_patching is None and not self.interp_store.capturing:
+            return  # nothing to plan: the step runs as on an engine without vllm-interp
+        layout = BatchLayout.of(req_ids, query_start_loc, num_computed)
+        steer = self._plan_steering(layout)
+        patching = self.interp_patching
+        # Patching and capture act on a few requests of a large batch: only theirs get planned.
+        patch = None if patching is None else patching.plan(layout.slices(only=patching.patched_ids))
+        reads = self.interp_store.plan_reads(layout)
+        self._interp_step = StepPlan(steer, patch, reads, self.interp_store.site_reads(reads, self.device))
+
+    def _plan_steering(self, layout: BatchLayout) -> bool:
+        tables = self.interp_steering
+        if tables is None:
+            return False
+        tables.forget_finished(set(layout.req_ids))
+        slots, prompt_lens = [], []
+        for req_id in layout.req_ids:
+            extra_args, prompt_len = self.interp_request(req_id)
+            slots.append(tables.lookup(req_id, extra_args))
+            prompt_lens.append(prompt_len)
+        index = tables.plan(layout, prompt_lens, slots)
+        tables.load_index(index)
+        return index is not None
+
+    def _interp_publish(self) -> None:
+        """Hand the planned step to the site op for the forward that follows."""
+        step = self._interp_step
+        if step is not None:
+            STEP.steer, STEP.patch, STEP.reads = step.steer, step.patch, step.site_reads
+
+    def _interp_retire(self) -> StepPlan | None:
+        """After the forward, or its failure: the site op forgets the step; returns it for ``_interp_collect``."""
+        step, self._interp_step = self._interp_step, None
+        STEP.reads, STEP.steer, STEP.patch = None, False, None
+        return step
+
+    def _interp_collect(self, step: StepPlan | None) -> None:
+        """After a forward that ran: start copying what the sites read off the device."""
+        if step is not None and step.site_reads is not None:
+            self.interp_store.collect(step.reads, step.site_reads)
