@@ -18,9 +18,18 @@ fields), ``capture_inline`` / ``capture_filesystem`` (``last_prompt`` at every s
 streamed, as patching requires: one position of every layer patched from a stored run; latency instead of
 TTFT). Clients are threads on ``http.client`` (the GPU machine has no HTTP client libraries), spread over
 eight processes so that parsing the streams never limits the run.
+
+``--peer-site DIR`` (a directory holding the unpacked vllm-lens 1.2.1 wheel and its dependencies) starts a
+third server, C: plain `vllm serve` with only vllm-lens's plugin loaded (it forces eager execution and vLLM's
+V1 runner), run right after A and B with the same prompts for the workloads it has an equivalent of: ``idle``,
+``idle_c1``, ``steer_distinct``, ``steer_shared`` (``apply_steering_vectors``: the same vectors, added to
+every layer's output) and ``capture_inline`` (``output_residual_stream`` of every layer: vllm-lens captures
+every position, where vllm-interp's workload captures the last prompt position). Its ratios are against the
+same plain runs A.
 """
 
 import argparse
+import base64
 import http.client
 import json
 import multiprocessing
@@ -158,16 +167,43 @@ class Bench:
     layers: int
     hidden: int
     vocab: int
-    pairs: list[tuple[int, str, RunStats, RunStats]] = field(default_factory=list)
+    lens_url: str | None = None
+    # (round, workload, plain A, vllm-interp B, vllm-lens C or None)
+    pairs: list[tuple[int, str, RunStats, RunStats, RunStats | None]] = field(default_factory=list)
 
     def prompts(self, seed: int, count: int) -> list[list[int]]:
         rng = np.random.default_rng(seed)
         return rng.integers(100, self.vocab - 100, size=(count, self.args.prompt_tokens)).tolist()
 
+    def table(self, seed: int) -> np.ndarray:
+        """One random steering vector per layer, ``[layers, hidden]``."""
+        return np.random.default_rng(seed).standard_normal((self.layers, self.hidden)).astype(np.float32) * 0.01
+
     def vectors(self, seed: int) -> dict[str, Any]:
-        rng = np.random.default_rng(seed)
-        table = rng.standard_normal((self.layers, self.hidden)).astype(np.float32) * 0.01
+        table = self.table(seed)
         return {"post_block": pack_vectors({layer: table[layer] for layer in range(self.layers)})}
+
+    def lens_vectors(self, seed: int) -> dict[str, Any]:
+        """The same vectors as vllm-lens's HTTP form: a JSON list of ``SteeringVector`` dumps in ``vllm_xargs``
+        (its tensor form: base64 of the raw bytes, which it also reads uncompressed)."""
+        table = self.table(seed)
+        activations = {"data": base64.b64encode(table.tobytes()).decode("ascii"), "dtype": "float32",
+                       "original_dtype": "torch.float32", "shape": list(table.shape)}
+        vector = {"activations": activations, "layer_indices": list(range(self.layers)), "scale": 1.0,
+                  "norm_match": False, "position_indices": None}
+        return {"vllm_xargs": {"apply_steering_vectors": json.dumps([vector])}}
+
+    def lens_workload(self, name: str, seed: int) -> Callable[[int], dict[str, Any]] | None:
+        """Request index -> vllm-lens's fields for the workload's equivalent (None: it has none)."""
+        shared = self.lens_vectors(seed)
+        capture = {"vllm_xargs": {"output_residual_stream": json.dumps(list(range(self.layers)))}}
+        return {
+            "idle": lambda i: {},
+            "idle_c1": lambda i: {},
+            "steer_distinct": lambda i: self.lens_vectors(seed * 1000 + i),
+            "steer_shared": lambda i: shared,
+            "capture_inline": lambda i: capture,
+        }.get(name)
 
     def body(self, prompt: list[int], stream: bool = True) -> dict[str, Any]:
         return {"model": self.args.model, "prompt": prompt, "max_tokens": self.args.max_tokens, "temperature": 0,
@@ -211,8 +247,13 @@ class Bench:
         finally:
             if name == "steer_global":
                 post(self.interp_url, "/v1/steering/clear", {})
-        self.pairs.append((round_index, name, baseline, feature))
-        print(f"round {round_index} {name}: {describe(baseline)} | {describe(feature)}", flush=True)
+        peer = None
+        if self.lens_url is not None and (lens_fields := self.lens_workload(name, seed)) is not None:
+            peer = run_requests(self.lens_url, [{**self.body(p, stream), **lens_fields(i)}
+                                                for i, p in enumerate(prompts)], concurrency)
+        self.pairs.append((round_index, name, baseline, feature, peer))
+        print(f"round {round_index} {name}: {describe(baseline)} | {describe(feature)}"
+              + (f" | vllm-lens {describe(peer)}" if peer is not None else ""), flush=True)
 
 
 def describe(stats: RunStats) -> str:
@@ -241,30 +282,52 @@ def kv_cache_tokens(log: Path) -> str:
     return match.group(1) if match else "unknown"
 
 
-def report(bench: Bench, started: str, card: str, wall_s: float, kv_tokens: tuple[str, str]) -> str:
+def ratios_of(feature: RunStats, baseline: RunStats) -> tuple[float | None, ...]:
+    """(TTFT, TPOT, throughput, latency) of ``feature`` over ``baseline``."""
+    return (ratio(feature.ttft_ms(), baseline.ttft_ms()), ratio(feature.tpot_ms(), baseline.tpot_ms()),
+            ratio(feature.throughput(), baseline.throughput()), ratio(feature.latency_s(), baseline.latency_s()))
+
+
+def medians_table(by_workload: dict[str, list[tuple[float | None, ...]]]) -> list[str]:
+    lines = ["| workload | TTFT | TPOT | throughput | latency |", "|---|---|---|---|---|"]
+    return lines + [f"| {name} | " + " | ".join(fmt(m, 3) for m in column_medians(rows)) + " |"
+                    for name, rows in by_workload.items()]
+
+
+def report(bench: Bench, started: str, card: str, wall_s: float, kv_tokens: tuple[str, ...]) -> str:
     args = bench.args
     lines = [f"# Serving: plain vLLM vs vllm-interp ({date.today().isoformat()})", "",
              f"- Card: {card}", f"- Model: `{args.model}` ({bench.layers} layers, hidden {bench.hidden})",
              f"- Requests: {args.requests} at concurrency {args.concurrency} ({args.requests_c1} one at a time for "
              f"idle_c1), {args.prompt_tokens} random prompt tokens, {args.max_tokens} generated (ignore_eos), greedy",
              f"- Model runner (both servers): {args.runner}; server args: `{' '.join(args.server_arg)}`",
-             f"- KV cache: plain {kv_tokens[0]} tokens, vllm-interp {kv_tokens[1]} tokens",
+             f"- KV cache: plain {kv_tokens[0]} tokens, vllm-interp {kv_tokens[1]} tokens"
+             + (f", vllm-lens {kv_tokens[2]} tokens" if len(kv_tokens) > 2 else ""),
              f"- Started {started}; {args.rounds} rounds, A (plain) then B (vllm-interp) per workload; {wall_s:.0f} s",
              "", "| round | workload | TTFT ms A / B | TPOT ms A / B | tok/s A / B | TTFT ratio | TPOT ratio | "
              "throughput ratio | latency ratio | errors A / B |", "|---|---|---|---|---|---|---|---|---|---|"]
     by_workload: dict[str, list[tuple[float | None, ...]]] = {}
-    for round_index, name, a, b in bench.pairs:
-        ratios = (ratio(b.ttft_ms(), a.ttft_ms()), ratio(b.tpot_ms(), a.tpot_ms()),
-                  ratio(b.throughput(), a.throughput()), ratio(b.latency_s(), a.latency_s()))
+    for round_index, name, a, b, _ in bench.pairs:
+        ratios = ratios_of(b, a)
         by_workload.setdefault(name, []).append(ratios)
         lines.append(f"| {round_index} | {name} | {fmt(a.ttft_ms())} / {fmt(b.ttft_ms())} | {fmt(a.tpot_ms(), 2)} / "
                      f"{fmt(b.tpot_ms(), 2)} | {a.throughput():.0f} / {b.throughput():.0f} | "
                      + " | ".join(fmt(r, 3) for r in ratios) + f" | {a.errors} / {b.errors} |")
-    lines += ["", "Median over rounds (feature / baseline):", "",
-              "| workload | TTFT | TPOT | throughput | latency |", "|---|---|---|---|---|"]
-    for name, rows in by_workload.items():
-        medians = column_medians(rows)
-        lines.append(f"| {name} | " + " | ".join(fmt(m, 3) for m in medians) + " |")
+    lines += ["", "Median over rounds (feature / baseline):", "", *medians_table(by_workload)]
+    peer_rows = [(round_index, name, a, c) for round_index, name, a, _, c in bench.pairs if c is not None]
+    if peer_rows:
+        lines += ["", "## Peer: vllm-lens 1.2.1 (C; eager, V1 runner) against the same plain runs (A)", "",
+                  "| round | workload | TTFT ms A / C | TPOT ms A / C | tok/s A / C | TTFT ratio | TPOT ratio | "
+                  "throughput ratio | latency ratio | errors A / C |", "|---|---|---|---|---|---|---|---|---|---|"]
+        peer_by_workload: dict[str, list[tuple[float | None, ...]]] = {}
+        for round_index, name, a, c in peer_rows:
+            ratios = ratios_of(c, a)
+            peer_by_workload.setdefault(name, []).append(ratios)
+            lines.append(f"| {round_index} | {name} | {fmt(a.ttft_ms())} / {fmt(c.ttft_ms())} | "
+                         f"{fmt(a.tpot_ms(), 2)} / {fmt(c.tpot_ms(), 2)} | {a.throughput():.0f} / "
+                         f"{c.throughput():.0f} | " + " | ".join(fmt(r, 3) for r in ratios)
+                         + f" | {a.errors} / {c.errors} |")
+        lines += ["", "Median over rounds (vllm-lens / plain):", "", *medians_table(peer_by_workload)]
     return "\n".join(lines) + "\n"
 
 
@@ -292,6 +355,8 @@ def main() -> None:
                         help="default: the one vLLM picks (V2 on GPUs); v1: VLLM_USE_V2_MODEL_RUNNER=0")
     parser.add_argument("--server-arg", action="append", default=[], help="passed to both servers (repeatable)")
     parser.add_argument("--start-timeout", type=float, default=600)
+    parser.add_argument("--peer-site", default=None,
+                        help="directory holding vllm-lens and its dependencies: adds vllm-lens's server (C)")
     args = parser.parse_args()
     names = args.workloads.split(",")
     if unknown := sorted(set(names) - set(WORKLOADS)):
@@ -303,6 +368,9 @@ def main() -> None:
     # Plain vLLM loads none of vllm-interp's plugins (they are visible to it through entry points).
     runner_env = {"VLLM_USE_V2_MODEL_RUNNER": "0"} if args.runner == "v1" else {}
     plain_env = {**os.environ, "VLLM_PLUGINS": "", **runner_env}
+    # vllm-lens loads as a general plugin wherever it is importable; only its own server sees it.
+    lens_env = {**os.environ, "VLLM_PLUGINS": "activations",
+                "PYTHONPATH": os.pathsep.join(filter(None, [args.peer_site, os.environ.get("PYTHONPATH")]))}
     interp_args = ["--enable-steering", "--max-steering-configs", str(max(args.concurrency, 8)), "--enable-patching",
                    "--capture-consumers", "inline", "--capture-consumers", f"filesystem:root={workdir / 'captures'}"]
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
@@ -310,22 +378,25 @@ def main() -> None:
     plain_url, plain = launch_server(common, workdir / "plain.log", plain_env, VLLM_MODULE)
     interp_url, interp = launch_server([*common, *interp_args], workdir / "interp.log", {**os.environ, **runner_env},
                                        VLLM_INTERP_MODULE)
+    servers = {"plain": (plain_url, plain), "interp": (interp_url, interp)}
+    if args.peer_site:
+        servers["lens"] = launch_server(common, workdir / "lens.log", lens_env, VLLM_MODULE)
     try:
-        wait_healthy(plain_url, plain, workdir / "plain.log", args.start_timeout)
-        wait_healthy(interp_url, interp, workdir / "interp.log", args.start_timeout)
+        for name, (url, process) in servers.items():
+            wait_healthy(url, process, workdir / f"{name}.log", args.start_timeout)
         print(f"servers ready after {time.monotonic() - began:.0f} s", flush=True)
-        kv_tokens = (kv_cache_tokens(workdir / "plain.log"), kv_cache_tokens(workdir / "interp.log"))
+        kv_tokens = tuple(kv_cache_tokens(workdir / f"{name}.log") for name in servers)
         bench = Bench(args, plain_url, interp_url, config["num_hidden_layers"], config["hidden_size"],
-                      config["vocab_size"])
+                      config["vocab_size"], lens_url=servers["lens"][0] if "lens" in servers else None)
         warm_up = [bench.body(p) for p in bench.prompts(99, 2)]  # first requests pay one-off costs; not reported
-        run_requests(plain_url, warm_up, 2)
-        run_requests(interp_url, warm_up, 2)
+        for url, _ in servers.values():
+            run_requests(url, warm_up, 2)
         for round_index in range(args.rounds):
             for name in names:
                 bench.run_pair(round_index, name)
     finally:
-        stop_server(plain)
-        stop_server(interp)
+        for _, process in servers.values():
+            stop_server(process)
     text = report(bench, started, gpu_card(), time.monotonic() - began, kv_tokens)
     Path(args.out).write_text(text)
     print(text)
