@@ -65,10 +65,19 @@ class Sample:
     error: str | None = None
 
 
+# vLLM's own per-request histograms, read from each server's /metrics around every run: where the time to the
+# first token goes. The engine's TTFT starts when vLLM's handler takes the request (after vllm-interp's
+# middleware and the HTTP parse, which the client's TTFT includes); queue is the engine core's wait before a
+# request is first scheduled (steering slots included); prefill runs from then to its first token.
+ENGINE_METRICS = {"engine TTFT": "vllm:time_to_first_token_seconds", "queue": "vllm:request_queue_time_seconds",
+                  "prefill": "vllm:request_prefill_time_seconds"}
+
+
 @dataclass
 class RunStats:
     samples: list[Sample]
     wall_s: float
+    engine_ms: dict[str, float] = field(default_factory=dict)  # ENGINE_METRICS' mean per request of the run
 
     @property
     def ok(self) -> list[Sample]:
@@ -145,18 +154,41 @@ def _client(url: str, bodies: list[dict[str, Any]], threads: int) -> list[Sample
         return list(pool.map(lambda body: completion(url, body), bodies))
 
 
+def histogram_sums(url: str) -> dict[str, tuple[float, float]]:
+    """ENGINE_METRICS' (sum, count) on the server now."""
+    parts = urlsplit(url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+    try:
+        connection.request("GET", "/metrics")
+        text = connection.getresponse().read().decode()
+    finally:
+        connection.close()
+    totals = {name: [0.0, 0.0] for name in ENGINE_METRICS.values()}
+    for line in text.splitlines():
+        series, _, value = line.rpartition(" ")
+        name = series.split("{", 1)[0]
+        for suffix, index in (("_sum", 0), ("_count", 1)):
+            if name.endswith(suffix) and name[: -len(suffix)] in totals:
+                totals[name[: -len(suffix)]][index] += float(value)
+    return {label: tuple(totals[name]) for label, name in ENGINE_METRICS.items()}
+
+
 def run_requests(url: str, bodies: list[dict[str, Any]], concurrency: int) -> RunStats:
     """Send ``bodies`` with ``concurrency`` requests in flight, from up to CLIENT_PROCESSES processes: one
     Python process parsing the events of 128 streams would be the bottleneck (and its noise) of the run."""
     processes = max(1, min(CLIENT_PROCESSES, concurrency, len(bodies)))
     shares = [bodies[i::processes] for i in range(processes)]
     threads = -(-concurrency // processes)
+    before = histogram_sums(url)
     started = time.perf_counter()
     with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("fork")) as pool:
         results = list(pool.map(_client, [url] * processes, shares, [threads] * processes))
     wall_s = time.perf_counter() - started
+    after = histogram_sums(url)
     samples = [results[i % processes][i // processes] for i in range(len(bodies))]  # back in request order
-    return RunStats(samples, wall_s)
+    engine_ms = {label: 1000 * (after[label][0] - before[label][0]) / count
+                 for label in ENGINE_METRICS if (count := after[label][1] - before[label][1]) > 0}
+    return RunStats(samples, wall_s, engine_ms)
 
 
 @dataclass
@@ -258,8 +290,9 @@ class Bench:
 
 def describe(stats: RunStats) -> str:
     ttft, tpot = stats.ttft_ms(), stats.tpot_ms()
+    engine = " ".join(f"{label} {value:.1f}" for label, value in stats.engine_ms.items())
     return (f"ttft {fmt(ttft)} ms tpot {fmt(tpot)} ms latency {stats.latency_s():.2f} s "
-            f"{stats.throughput():.0f} tok/s errors {stats.errors}")
+            f"{stats.throughput():.0f} tok/s errors {stats.errors} ({engine} ms)")
 
 
 def fmt(value: float | None, digits: int = 1) -> str:
@@ -314,6 +347,14 @@ def report(bench: Bench, started: str, card: str, wall_s: float, kv_tokens: tupl
                      f"{fmt(b.tpot_ms(), 2)} | {a.throughput():.0f} / {b.throughput():.0f} | "
                      + " | ".join(fmt(r, 3) for r in ratios) + f" | {a.errors} / {b.errors} |")
     lines += ["", "Median over rounds (feature / baseline):", "", *medians_table(by_workload)]
+    lines += ["", "Where the time to the first token goes, mean ms per request (client; from each server's "
+              "/metrics: engine TTFT, queue, prefill), A / B:", "",
+              "| round | workload | client TTFT | engine TTFT | queue | prefill |", "|---|---|---|---|---|---|"]
+    for round_index, name, a, b, _ in bench.pairs:
+        if a.ttft_ms() is not None:
+            cells = [f"{fmt(a.ttft_ms())} / {fmt(b.ttft_ms())}"]
+            cells += [f"{fmt(a.engine_ms.get(k))} / {fmt(b.engine_ms.get(k))}" for k in ENGINE_METRICS]
+            lines.append(f"| {round_index} | {name} | " + " | ".join(cells) + " |")
     peer_rows = [(round_index, name, a, c) for round_index, name, a, _, c in bench.pairs if c is not None]
     if peer_rows:
         lines += ["", "## Peer: vllm-lens 1.2.1 (C; eager, V1 runner) against the same plain runs (A)", "",

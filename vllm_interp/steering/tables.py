@@ -57,10 +57,9 @@ class SteeringTables:
     # -- global state --------------------------------------------------------------------------------
     def set_global(self, vectors: SteeringVectors) -> None:
         self.global_vectors = vectors
+        self._write_rows(GLOBAL_ROWS["prefill"], vectors)
         for phase, row in GLOBAL_ROWS.items():
-            phase_vectors = vectors.phase_vectors(phase)
-            self._write_row(row, phase_vectors)
-            self._global_rows[phase] = row if phase_vectors else 0
+            self._global_rows[phase] = row if vectors.phase_vectors(phase) else 0
         for slot in self._slots.values():
             self._write_slot(slot)
 
@@ -120,17 +119,26 @@ class SteeringTables:
 
     # -- table writes --------------------------------------------------------------------------------
     def _write_slot(self, slot: _Slot) -> None:
-        combined = self.global_vectors + slot.vectors
-        for phase in ("prefill", "decode"):
-            self._write_row(slot.row(phase), combined.phase_vectors(phase))
+        self._write_rows(slot.row("prefill"), self.global_vectors + slot.vectors)
 
-    def _write_row(self, row: int, vectors: dict[str, np.ndarray]) -> None:
-        """Row ``row`` of every held layer's table, in one upload (zeros where ``vectors`` has no site)."""
+    def _write_rows(self, prefill_row: int, vectors: SteeringVectors) -> None:
+        """The prefill row and the decode row after it, of every held layer's table, in one upload (zeros
+        where ``vectors`` has no site). Built in the table's dtype, converting only the sites that steer: this
+        runs on the forward thread when a request with new vectors is admitted."""
         table = self.bank.steer_table
-        block = np.zeros((table.shape[0], table.shape[1], table.shape[3]), dtype=np.float32)
+        block = torch.zeros((table.shape[0], table.shape[1], 2, table.shape[3]), dtype=table.dtype)
+        self._fill(block[:, :, 0], vectors.phase_vectors("prefill"))
+        if vectors.tiers.get("prefill") or vectors.tiers.get("decode"):
+            self._fill(block[:, :, 1], vectors.phase_vectors("decode"))
+        else:  # base vectors alone: both phases add the same
+            block[:, :, 1] = block[:, :, 0]
+        copy_into(table[:, :, prefill_row : prefill_row + 2], block)
+
+    def _fill(self, block: torch.Tensor, vectors: dict[str, np.ndarray]) -> None:
+        """Set ``block[layer slot, hook]`` to each held site's vector, in one conversion and one indexed write."""
         local = self.bank.layer_index
-        for name, vector in vectors.items():
-            layer, hook = parse_site_name(name)
-            if layer in local:  # else another pipeline stage holds this layer
-                block[local[layer], HOOK_INDEX[hook]] = vector
-        copy_into(table[:, :, row], torch.from_numpy(block).to(table.dtype))
+        sites = [(local[layer], HOOK_INDEX[hook], vector) for name, vector in vectors.items()
+                 for layer, hook in [parse_site_name(name)] if layer in local]  # else another stage holds it
+        if sites:
+            layers, hooks, rows = zip(*sites, strict=True)
+            block[list(layers), list(hooks)] = torch.from_numpy(np.stack(rows)).to(block.dtype)

@@ -1,0 +1,63 @@
+"""The worker's steering tables, without an engine: each config slot's prefill and decode rows hold exactly the
+global vectors plus the request's for that phase, in the table's dtype, at the layers this stage holds, and a
+reused slot keeps nothing of its last owner."""
+
+import numpy as np
+import torch
+
+from vllm_interp.hooks import HOOK_INDEX, parse_site_name
+from vllm_interp.models.registry import SiteBank
+from vllm_interp.request_args import EXTRA_ARGS_KEY
+from vllm_interp.steering.tables import GLOBAL_ROWS, SteeringTables, table_rows
+from vllm_interp.steering.vectors import SteeringVectors
+
+HIDDEN = 8
+HELD = {0: 0, 2: 1}  # layer -> its slot in the tables (layer 1 is another pipeline stage's)
+
+
+def _tables() -> SteeringTables:
+    bank = SiteBank(layers=sorted(HELD), steer_index=torch.zeros(4, dtype=torch.long),
+                    steer_table=torch.zeros(len(HELD), 3, table_rows(1), HIDDEN, dtype=torch.bfloat16),
+                    patch_index=torch.zeros(len(HELD), 3, 1, dtype=torch.long), patch_values=torch.zeros(1, HIDDEN),
+                    patch_alpha=torch.zeros(1), read_slot=torch.full((1,), -1), read_flags=torch.zeros(len(HELD), 3),
+                    read_out=torch.zeros(len(HELD), 3, 0, HIDDEN))
+    return SteeringTables(bank, max_configs=1)  # one slot: the second request reuses the first one's
+
+
+def _vectors(seed: int, **tiers: list[str]) -> SteeringVectors:
+    rng = np.random.default_rng(seed)
+    return SteeringVectors({tier: {name: rng.standard_normal(HIDDEN).astype(np.float32) for name in names}
+                            for tier, names in tiers.items()})
+
+
+def _expected_row(vectors: SteeringVectors, phase: str) -> torch.Tensor:
+    row = np.zeros((len(HELD), 3, HIDDEN), np.float32)
+    for name, vector in vectors.phase_vectors(phase).items():
+        layer, hook = parse_site_name(name)
+        if layer in HELD:
+            row[HELD[layer], HOOK_INDEX[hook]] = vector
+    return torch.from_numpy(row).to(torch.bfloat16)
+
+
+def _request(vectors: SteeringVectors, digest: str) -> dict:
+    return {EXTRA_ARGS_KEY: {"steering": {"vectors": vectors.to_wire(), "digest": digest}}}
+
+
+def test_slot_rows_hold_global_plus_request_vectors_per_phase_and_nothing_of_a_last_owner():
+    tables = _tables()
+    table = tables.bank.steer_table
+    global_vectors = _vectors(0, base=["0.pre_attn"], decode=["2.post_block"])
+    tables.set_global(global_vectors)
+    for phase, row in GLOBAL_ROWS.items():
+        assert torch.equal(table[:, :, row], _expected_row(global_vectors, phase)), phase
+    first = _vectors(1, base=["2.post_attn", "1.post_block", "0.pre_attn"], prefill=["0.post_block"])
+    slot = tables.lookup("a", _request(first, "first"))
+    for phase in ("prefill", "decode"):
+        assert torch.equal(table[:, :, slot.row(phase)], _expected_row(global_vectors + first, phase)), phase
+    # The slot freed, then taken by vectors at other sites (base only: both phases alike).
+    tables.forget_finished(set())
+    second = _vectors(2, base=["2.pre_attn"])
+    reused = tables.lookup("b", _request(second, "second"))
+    assert reused.index == slot.index
+    for phase in ("prefill", "decode"):
+        assert torch.equal(table[:, :, reused.row(phase)], _expected_row(global_vectors + second, phase)), phase
