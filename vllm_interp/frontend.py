@@ -4,8 +4,9 @@ back to its results, shared by every front door (offline ``LLM``, the HTTP middl
 ``InterpFrontend.prepare`` turns validated steering fields, a capture spec and a patch spec into the
 ``extra_args["vllm_interp"]`` payload: the request's own vectors, its capture spec, its patch spec, the
 prefix-cache salt (which positions' KV depend on the request's interventions) and, when the caller will
-collect results, a key. ``collect_results`` is the polling loop around ``ResultCollector``; front doors
-pass their own RPC (blocking or async).
+collect results, a key. ``collect_results`` is the polling loop around ``ResultCollector`` for the offline
+engine; on an event loop (the HTTP middleware, contrastive vectors, patch sweeps) one ``ResultsPoller`` polls
+for every request awaiting results at once.
 """
 
 import asyncio
@@ -149,12 +150,56 @@ def collect_results(collector: ResultCollector, rpc: Callable[[dict[str, int], f
         collector.add(rpc(collector.pending, 0.2))
 
 
-async def collect_results_async(collector: ResultCollector,
-                                rpc: Callable[[dict[str, int], float], Awaitable[list]],
-                                timeout_s: float = RESULTS_TIMEOUT_S) -> None:
-    """``collect_results`` for an event loop: asks without waiting in the workers, sleeps between asks."""
-    deadline = time.monotonic() + timeout_s
-    while collector.pending and time.monotonic() < deadline:
-        collector.add(await rpc(collector.pending, 0.0))
-        if collector.pending:
-            await asyncio.sleep(0.05)
+class ResultsPoller:
+    """Polls the workers for every capture key awaited on this event loop, all keys in one call per round.
+
+    Requests that finish together (128 streams of one length end within a few steps) then share calls: each
+    call is a utility call that the engine core runs between steps, and polled one by one they interrupted it
+    once or twice per finishing request. A round starts at once when nothing is being polled; a key arriving
+    while a round waits joins the next, ``interval_s`` later."""
+
+    @classmethod
+    def for_engine(cls, engine_client: Any) -> "ResultsPoller":
+        """Polling an async engine client's workers (``collective_rpc``)."""
+        return cls(lambda pending, wait_s: engine_client.collective_rpc(RESULTS_RPC, args=(pending, wait_s)))
+
+    def __init__(self, rpc: Callable[[dict[str, int], float], Awaitable[list]], interval_s: float = 0.02) -> None:
+        self._rpc = rpc  # (capture key -> final length, seconds the workers may wait) -> per-rank answers
+        self._interval_s = interval_s
+        self._waiting: list[tuple[ResultCollector, float, asyncio.Future]] = []
+        self._task: asyncio.Task | None = None
+
+    async def collect(self, collector: ResultCollector, timeout_s: float = RESULTS_TIMEOUT_S) -> None:
+        """Return once every key of ``collector`` is answered, or ``timeout_s`` has passed."""
+        if not collector.pending:
+            return
+        done = asyncio.get_running_loop().create_future()
+        self._waiting.append((collector, time.monotonic() + timeout_s, done))
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._poll())
+        await done
+
+    async def _poll(self) -> None:
+        while self._waiting:
+            round_ = list(self._waiting)
+            pending = {key: n for collector, _, _ in round_ for key, n in collector.pending.items()}
+            try:
+                per_rank = await self._rpc(pending, 0.0)
+            except Exception as exc:  # every caller of this round gets the error, as its own call would have
+                for entry in round_:
+                    self._settle(entry, exc)
+                continue
+            now = time.monotonic()
+            for entry in round_:
+                collector, deadline, done = entry
+                collector.add([{k: v for k, v in answers.items() if k in collector.lengths} for answers in per_rank])
+                if not collector.pending or now >= deadline or done.done():  # done: its caller went away
+                    self._settle(entry, None)
+            if self._waiting:
+                await asyncio.sleep(self._interval_s)
+
+    def _settle(self, entry: tuple[ResultCollector, float, asyncio.Future], error: Exception | None) -> None:
+        self._waiting.remove(entry)
+        done = entry[2]
+        if not done.done():
+            done.set_exception(error) if error is not None else done.set_result(None)

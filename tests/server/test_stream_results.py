@@ -11,7 +11,7 @@ import pytest
 from starlette.datastructures import State
 
 from vllm_interp.capture.consumers.logging import LoggingConsumer
-from vllm_interp.frontend import InterpFrontend
+from vllm_interp.frontend import InterpFrontend, ResultsPoller
 from vllm_interp.request_args import HTTP_PAYLOAD
 from vllm_interp.server.request_fields import RequestFieldsMiddleware
 from vllm_interp.steering.state import SteeringState
@@ -77,6 +77,7 @@ def _serve(request: dict, events: Callable[[dict], list[bytes]] = vllm_events,
     state.vllm_interp_frontend = InterpFrontend(SteeringState(ModelShape(4, 8), enabled=False),
                                                 {"logging": LoggingConsumer}, patching=False, max_patch_rows=8)
     state.engine_client = Engine()
+    state.vllm_interp_results = ResultsPoller.for_engine(state.engine_client)
     run = SimpleNamespace(request=None, payload=None, status=None, body=[], after_message=[],
                           engine=state.engine_client)
 

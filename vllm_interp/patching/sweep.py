@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError, field_va
 from vllm import SamplingParams
 
 from vllm_interp.capture.spec import CaptureSpec
-from vllm_interp.frontend import InterpFrontend, PreparedRequest, collect_results_async
+from vllm_interp.frontend import InterpFrontend, PreparedRequest, ResultsPoller
 from vllm_interp.hooks import Hook, canonical_hook
 from vllm_interp.patching.spec import PatchEntry, PatchError, PatchSpec
 from vllm_interp.patching.tables import PATCH_RESULT
@@ -266,7 +266,6 @@ def plan_sweep(request: SweepRequest, *, tokenizer, num_layers: int, vocab: int,
 
 # -- running -------------------------------------------------------------------------------------------
 Generate = Callable[[list[int], SamplingParams, str], AsyncIterator[Any]]
-ResultsRpc = Callable[[dict[str, int], float], Awaitable[list]]
 
 
 def _grade(output, answer: int, foil: int | None) -> tuple[float, float | None]:
@@ -287,7 +286,7 @@ class SweepRunner:
     """Runs a plan: the clean capture (when given a clean prompt), the solo corrupt baseline, then every
     cell and an in-batch corrupt baseline together."""
 
-    def __init__(self, plan: SweepPlan, frontend: InterpFrontend, generate: Generate, results: ResultsRpc,
+    def __init__(self, plan: SweepPlan, frontend: InterpFrontend, generate: Generate, results: ResultsPoller,
                  run_generations: Callable[[], Awaitable[dict[str, str]]], delete_run: Callable[[str], Awaitable]):
         self.plan = plan
         self.frontend = frontend
@@ -314,7 +313,7 @@ class SweepRunner:
     async def _statuses(self, requests: dict[str, PreparedRequest], length: int) -> dict[str, dict]:
         """Each request's results (every one ran ``length`` tokens through the model, plus one sampled)."""
         collector = self.frontend.collector(dict.fromkeys(requests, length + 1), requests)
-        await collect_results_async(collector, self.results)
+        await self.results.collect(collector)
         return self.frontend.merged(collector)
 
     async def events(self) -> AsyncIterator[tuple[str, dict[str, Any]]]:

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 
-from vllm_interp.frontend import RESULTS_RPC, SOURCES_RPC, InterpFrontend, combined_generations, merged_sources
+from vllm_interp.frontend import SOURCES_RPC, InterpFrontend, combined_generations, merged_sources
 from vllm_interp.patching.spec import PatchError
 from vllm_interp.patching.sweep import SweepRunner, parse_sweep_request, plan_sweep
 from vllm_interp.server.auth import require_key
@@ -83,7 +83,7 @@ async def patch_sweep(request: Request) -> Any:
     runner = SweepRunner(
         plan, frontend,
         generate=lambda tokens, params, request_id: engine.generate({"prompt_token_ids": tokens}, params, request_id),
-        results=lambda pending, wait_s: engine.collective_rpc(RESULTS_RPC, args=(pending, wait_s)),
+        results=state.vllm_interp_results,
         run_generations=generations, delete_run=delete)
     if body.stream:
         async def events():

@@ -12,7 +12,7 @@ from starlette.datastructures import State
 
 from vllm_interp.config import FrontendLimits, InterpConfig
 from vllm_interp.engine.versions import adapter
-from vllm_interp.frontend import InterpFrontend
+from vllm_interp.frontend import InterpFrontend, ResultsPoller
 from vllm_interp.server import patch_routes, steering_routes
 from vllm_interp.server.auth import configured_keys
 from vllm_interp.server.request_fields import RequestFieldsMiddleware
@@ -46,6 +46,7 @@ class InterpEndpoints:
             frontend.steering.register(name, load_named_file(path))
         state.vllm_interp_steering = frontend.steering
         state.vllm_interp_frontend = frontend
+        state.vllm_interp_results = ResultsPoller.for_engine(engine_client)
         state.vllm_interp_api_keys = configured_keys(getattr(args, "steering_api_key", None))
         state.vllm_interp_limits = limits
         state.vllm_interp_max_model_len = model_config.max_model_len

@@ -37,11 +37,9 @@ from vllm_interp.capture.limits import check_capture_bytes
 from vllm_interp.capture.results import ConsumerResult, result_to_json
 from vllm_interp.capture.spec import CaptureSpec, CaptureSpecError
 from vllm_interp.frontend import (
-    RESULTS_RPC,
     SOURCES_RPC,
     InterpFrontend,
     PreparedRequest,
-    collect_results_async,
     combined_generations,
 )
 from vllm_interp.patching.spec import FIELD as PATCH_FIELD
@@ -249,8 +247,7 @@ async def _collect(state: Any, prepared: PreparedRequest,
     length = int(usage.get("prompt_tokens", 0)) + int(usage.get("completion_tokens", 0))
     frontend: InterpFrontend = state.vllm_interp_frontend
     collector = frontend.collector({prepared.key: length}, {prepared.key: prepared})
-    await collect_results_async(
-        collector, lambda pending, wait_s: state.engine_client.collective_rpc(RESULTS_RPC, args=(pending, wait_s)))
+    await state.vllm_interp_results.collect(collector)
     results = frontend.merged(collector)[prepared.key]
     patch = results.pop(PATCH_RESULT, None)
     return {name: result_to_json(result, frontend.consumers[name].result_to_json)

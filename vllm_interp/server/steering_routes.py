@@ -15,7 +15,7 @@ from vllm import SamplingParams
 
 from vllm_interp.capture.consumers.inline import ResidualReadout
 from vllm_interp.capture.spec import CaptureSpecError
-from vllm_interp.frontend import RESULTS_RPC, InterpFrontend, collect_results_async
+from vllm_interp.frontend import InterpFrontend
 from vllm_interp.hooks import HOOKS
 from vllm_interp.request_args import EXTRA_ARGS_KEY
 from vllm_interp.server.auth import require_key
@@ -181,8 +181,7 @@ async def _readouts(state: Any, body: ContrastiveRequest) -> list[ResidualReadou
     lengths = {p.key: len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for p, o in zip(prepared, outputs,
                                                                                          strict=True)}
     collector = frontend.collector(lengths, {p.key: p for p in prepared})
-    await collect_results_async(collector, lambda pending, wait_s: engine.collective_rpc(RESULTS_RPC,
-                                                                                        args=(pending, wait_s)))
+    await state.vllm_interp_results.collect(collector)
     results = frontend.merged(collector)
     readouts = []
     for i, p in enumerate(prepared):

@@ -1,0 +1,83 @@
+"""The event-loop side of result collection, without an engine: one ``ResultsPoller`` asks the workers for every
+awaited capture key in one call per round, hands each collector only its own keys, drops callers that went
+away, and gives every caller of a failed round the error."""
+
+import asyncio
+
+from vllm_interp.capture.consumer import CaptureConsumer
+from vllm_interp.capture.results import ResultCollector
+from vllm_interp.frontend import ResultsPoller
+
+
+class Workers:
+    """Answers a key on the ``ready_after``-th call that asks for it; records every call's keys."""
+
+    def __init__(self, ready_after: int = 2, fail: bool = False) -> None:
+        self.calls: list[set[str]] = []
+        self.asked: dict[str, int] = {}
+        self.ready_after, self.fail = ready_after, fail
+
+    async def rpc(self, pending: dict[str, int], wait_s: float) -> list[dict]:
+        await asyncio.sleep(0)
+        self.calls.append(set(pending))
+        if self.fail:
+            raise RuntimeError("engine gone")
+        answers = {}
+        for key in pending:
+            self.asked[key] = self.asked.get(key, 0) + 1
+            if self.asked[key] >= self.ready_after:
+                answers[key] = {"inline": {"status": "ok", "result": {"key": key}}}
+        return [answers]  # one rank
+
+
+def _collector(*keys: str) -> ResultCollector:
+    return ResultCollector(dict.fromkeys(keys, 5), {key: ["inline"] for key in keys})
+
+
+def test_collectors_awaiting_together_share_each_round_and_get_their_own_keys():
+    workers = Workers(ready_after=2)
+    poller = ResultsPoller(workers.rpc, interval_s=0.001)
+    collectors = [_collector("a"), _collector("b", "c"), _collector("d")]
+
+    async def main():
+        await asyncio.gather(*(poller.collect(c) for c in collectors))
+
+    asyncio.run(main())
+    # Polled one by one, each collector would have made two calls; together they make two in all.
+    assert workers.calls == [{"a", "b", "c", "d"}] * 2
+    for collector in collectors:
+        assert not collector.pending
+        merged = collector.merged({"inline": CaptureConsumer})
+        assert sorted(merged) == sorted(collector.lengths)
+        assert all(r["inline"].result == {"key": key} for key, r in merged.items())
+
+
+def test_a_caller_that_went_away_is_dropped_and_a_failed_round_fails_its_callers():
+    workers = Workers(ready_after=3)
+    poller = ResultsPoller(workers.rpc, interval_s=0.001)
+
+    async def main():
+        leaving = asyncio.create_task(poller.collect(_collector("gone")))
+        staying = _collector("kept")
+        await asyncio.sleep(0)
+        leaving.cancel()
+        await poller.collect(staying)
+        return staying
+
+    assert not asyncio.run(main()).pending
+    assert workers.calls[-1] == {"kept"}  # the cancelled caller's key is no longer asked for
+
+    failing = ResultsPoller(Workers(fail=True).rpc, interval_s=0.001)
+
+    async def both():
+        return await asyncio.gather(failing.collect(_collector("x")), failing.collect(_collector("y")),
+                                    return_exceptions=True)
+
+    assert [str(e) for e in asyncio.run(both())] == ["engine gone", "engine gone"]
+
+
+def test_time_runs_out_with_keys_still_pending():
+    poller = ResultsPoller(Workers(ready_after=10 ** 6).rpc, interval_s=0.001)
+    collector = _collector("slow")
+    asyncio.run(poller.collect(collector, timeout_s=0.01))
+    assert collector.pending == {"slow": 5}
