@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-from vllm_interp.engine.touchpoints import Touchpoint, check_attributes, check_touchpoints
+from vllm_interp.engine.touchpoints import Touchpoint, check_attributes
 from vllm_interp.engine.v0_26.steps import InterpSteps
 
 
@@ -19,9 +19,6 @@ class RunnerHooks:
     mixin: type[InterpSteps]
     touchpoints: tuple[Touchpoint, ...]
     attributes: dict[str, str]
-
-    def check(self) -> None:
-        check_touchpoints(self.touchpoints)
 
     def install(self, runner: Any) -> None:
         """Swap the runner's class for one with the mixin (the caller then attaches the tables)."""
