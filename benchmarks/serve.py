@@ -321,8 +321,20 @@ def ratios_of(feature: RunStats, baseline: RunStats) -> tuple[float | None, ...]
             ratio(feature.throughput(), baseline.throughput()), ratio(feature.latency_s(), baseline.latency_s()))
 
 
-def medians_table(by_workload: dict[str, list[tuple[float | None, ...]]]) -> list[str]:
-    lines = ["| workload | TTFT | TPOT | throughput | latency |", "|---|---|---|---|---|"]
+def comparison_table(runs: list[tuple[int, str, RunStats, RunStats]], other: str, medians_title: str) -> list[str]:
+    """Per run, plain vLLM (A) against ``other`` (B, or the peer C) and their ratios; then per workload the
+    median of each ratio over rounds."""
+    lines = [f"| round | workload | TTFT ms A / {other} | TPOT ms A / {other} | tok/s A / {other} | TTFT ratio | "
+             f"TPOT ratio | throughput ratio | latency ratio | errors A / {other} |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    by_workload: dict[str, list[tuple[float | None, ...]]] = {}
+    for round_index, name, a, x in runs:
+        ratios = ratios_of(x, a)
+        by_workload.setdefault(name, []).append(ratios)
+        lines.append(f"| {round_index} | {name} | {fmt(a.ttft_ms())} / {fmt(x.ttft_ms())} | {fmt(a.tpot_ms(), 2)} / "
+                     f"{fmt(x.tpot_ms(), 2)} | {a.throughput():.0f} / {x.throughput():.0f} | "
+                     + " | ".join(fmt(r, 3) for r in ratios) + f" | {a.errors} / {x.errors} |")
+    lines += ["", medians_title, "", "| workload | TTFT | TPOT | throughput | latency |", "|---|---|---|---|---|"]
     return lines + [f"| {name} | " + " | ".join(fmt(m, 3) for m in column_medians(rows)) + " |"
                     for name, rows in by_workload.items()]
 
@@ -337,16 +349,8 @@ def report(bench: Bench, started: str, card: str, wall_s: float, kv_tokens: tupl
              f"- KV cache: plain {kv_tokens[0]} tokens, vllm-interp {kv_tokens[1]} tokens"
              + (f", vllm-lens {kv_tokens[2]} tokens" if len(kv_tokens) > 2 else ""),
              f"- Started {started}; {args.rounds} rounds, A (plain) then B (vllm-interp) per workload; {wall_s:.0f} s",
-             "", "| round | workload | TTFT ms A / B | TPOT ms A / B | tok/s A / B | TTFT ratio | TPOT ratio | "
-             "throughput ratio | latency ratio | errors A / B |", "|---|---|---|---|---|---|---|---|---|---|"]
-    by_workload: dict[str, list[tuple[float | None, ...]]] = {}
-    for round_index, name, a, b, _ in bench.pairs:
-        ratios = ratios_of(b, a)
-        by_workload.setdefault(name, []).append(ratios)
-        lines.append(f"| {round_index} | {name} | {fmt(a.ttft_ms())} / {fmt(b.ttft_ms())} | {fmt(a.tpot_ms(), 2)} / "
-                     f"{fmt(b.tpot_ms(), 2)} | {a.throughput():.0f} / {b.throughput():.0f} | "
-                     + " | ".join(fmt(r, 3) for r in ratios) + f" | {a.errors} / {b.errors} |")
-    lines += ["", "Median over rounds (feature / baseline):", "", *medians_table(by_workload)]
+             "", *comparison_table([(r, name, a, b) for r, name, a, b, _ in bench.pairs], "B",
+                                   "Median over rounds (feature / baseline):")]
     lines += ["", "Where the time to the first token goes, mean ms per request (client; from each server's "
               "/metrics: engine TTFT, queue, prefill), A / B:", "",
               "| round | workload | client TTFT | engine TTFT | queue | prefill |", "|---|---|---|---|---|---|"]
@@ -358,17 +362,7 @@ def report(bench: Bench, started: str, card: str, wall_s: float, kv_tokens: tupl
     peer_rows = [(round_index, name, a, c) for round_index, name, a, _, c in bench.pairs if c is not None]
     if peer_rows:
         lines += ["", "## Peer: vllm-lens 1.2.1 (C; eager, V1 runner) against the same plain runs (A)", "",
-                  "| round | workload | TTFT ms A / C | TPOT ms A / C | tok/s A / C | TTFT ratio | TPOT ratio | "
-                  "throughput ratio | latency ratio | errors A / C |", "|---|---|---|---|---|---|---|---|---|---|"]
-        peer_by_workload: dict[str, list[tuple[float | None, ...]]] = {}
-        for round_index, name, a, c in peer_rows:
-            ratios = ratios_of(c, a)
-            peer_by_workload.setdefault(name, []).append(ratios)
-            lines.append(f"| {round_index} | {name} | {fmt(a.ttft_ms())} / {fmt(c.ttft_ms())} | "
-                         f"{fmt(a.tpot_ms(), 2)} / {fmt(c.tpot_ms(), 2)} | {a.throughput():.0f} / "
-                         f"{c.throughput():.0f} | " + " | ".join(fmt(r, 3) for r in ratios)
-                         + f" | {a.errors} / {c.errors} |")
-        lines += ["", "Median over rounds (vllm-lens / plain):", "", *medians_table(peer_by_workload)]
+                  *comparison_table(peer_rows, "C", "Median over rounds (vllm-lens / plain):")]
     return "\n".join(lines) + "\n"
 
 

@@ -201,5 +201,9 @@ class ResultsPoller:
     def _settle(self, entry: tuple[ResultCollector, float, asyncio.Future], error: Exception | None) -> None:
         self._waiting.remove(entry)
         done = entry[2]
-        if not done.done():
-            done.set_exception(error) if error is not None else done.set_result(None)
+        if done.done():  # its caller went away
+            return
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(None)

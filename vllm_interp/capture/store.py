@@ -203,7 +203,7 @@ class CaptureStore:
     def count_reads(self, scheduled: Iterable[tuple[str, int, int]]) -> int:
         """How many rows a step scheduling these ``(req_id, position_start, num_tokens)`` would read, without
         planning it (a runner that must choose between graphs and eager execution before it lays out the batch
-        asks this first; requests that read nothing may be left out)."""
+        asks this first). Requests that can no longer read are skipped."""
         return sum(count_rows(self._wanted(self.live_entry(req_id), start, count), start, count)
                    for req_id, start, count in scheduled if req_id in self._reading)
 

@@ -67,7 +67,7 @@ class InterpV1RunnerMixin(InterpSteps):
 
     def _determine_batch_execution_and_padding(self, *args, **kwargs):
         step = self._interp_step
-        if step is not None and step.reads.num_rows and not self.interp_store.fits_graph(step.reads.num_rows):
+        if step is not None and not self.interp_store.fits_graph(step.reads.num_rows):
             kwargs["force_eager"] = True
         return super()._determine_batch_execution_and_padding(*args, **kwargs)
 

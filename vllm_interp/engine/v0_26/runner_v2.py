@@ -16,6 +16,7 @@ model):
   before the forward that ``execute_model`` runs next.
 """
 
+from itertools import chain
 from typing import Any
 
 from vllm.config import CUDAGraphMode
@@ -100,11 +101,8 @@ class InterpV2RunnerMixin(InterpSteps):
 
     def _interp_count_reads(self, scheduler_output) -> int:
         """The rows this step will read, from the scheduler's output (vLLM's runner has not laid it out yet)."""
-        reading = self.interp_store.reading_ids
-        starts = {new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs
-                  if new.req_id in reading}
         running = scheduler_output.scheduled_cached_reqs
-        starts.update((req_id, start) for req_id, start in zip(running.req_ids, running.num_computed_tokens,
-                                                               strict=True) if req_id in reading)
+        starts = chain(((new.req_id, new.num_computed_tokens) for new in scheduler_output.scheduled_new_reqs),
+                       zip(running.req_ids, running.num_computed_tokens, strict=True))
         scheduled = scheduler_output.num_scheduled_tokens
-        return self.interp_store.count_reads((req_id, start, scheduled[req_id]) for req_id, start in starts.items())
+        return self.interp_store.count_reads((req_id, start, scheduled[req_id]) for req_id, start in starts)
