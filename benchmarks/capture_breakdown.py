@@ -21,8 +21,8 @@ token over the tokens between them) against a pass that captures nothing, in rou
   asynchronous copy on the copier's stream, its event polled every 0.2 ms / waited for), then a host copy into
   ordinary memory, instead of a pageable ``.to("cpu")``.
 
-``--profile V1,V2`` adds a torch profiler pass of each named variant (the top host-side functions by self time,
-CUDA runtime calls included).
+``--profile VARIANT,...`` (e.g. ``plain,full``) adds a torch profiler pass of each named variant (the top
+host-side functions by self time, CUDA runtime calls included).
 Results are printed; nothing in the product changes. The default variant list runs in about 4 minutes on an
 H100 (engine start included).
 """
