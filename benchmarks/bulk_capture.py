@@ -122,8 +122,10 @@ def report(args: argparse.Namespace, phases: list[Phase], rates: list[tuple[floa
              f"- Capture: `{json.dumps(EVERY_TOKEN)}` to `logging:level=debug` and to `filesystem` "
              f"(`layout=sharded`), both with `isolation={args.isolation}`",
              f"- Server args: `{' '.join(args.server_arg)}`; started {started}; {wall_s:.0f} s", "",
-             "| round | phase | TTFT ms | TPOT ms | tok/s | throughput / plain | TPOT / plain | TTFT / plain | "
-             "captured MB | captured MB/s | errors |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "(last gap: the median wait for a stream's last text chunk, which a capturing stream holds until the "
+             "request's capture results come; TPOT includes it)", "",
+             "| round | phase | TTFT ms | TPOT ms | last gap ms | tok/s | throughput / plain | TPOT / plain | "
+             "TTFT / plain | captured MB | captured MB/s | errors |", "|" + "---|" * 12]
     summary: dict[str, list[tuple[float | None, ...]]] = {}
     for phase in phases:
         base = next(p.stats for p in phases if p.round_index == phase.round_index and p.name == "plain")
@@ -134,7 +136,8 @@ def report(args: argparse.Namespace, phases: list[Phase], rates: list[tuple[floa
         captured = phase.captured_bytes / 1e6
         sink = f"{captured:.0f} | {captured / s.wall_s:.0f}" if captured else "- | -"
         lines.append(f"| {phase.round_index} | {phase.name} | {fmt(s.ttft_ms())} | {fmt(s.tpot_ms(), 2)} | "
-                     f"{s.throughput():.0f} | " + " | ".join(fmt(r, 3) for r in ratios) + f" | {sink} | {s.errors} |")
+                     f"{fmt(s.last_gap_ms())} | {s.throughput():.0f} | " + " | ".join(fmt(r, 3) for r in ratios)
+                     + f" | {sink} | {s.errors} |")
     lines += ["", "Median over rounds (against `plain` of the same round):", "",
               "| phase | throughput | TPOT | TTFT |", "|---|---|---|---|"]
     for name, rows in summary.items():
@@ -201,6 +204,7 @@ def main() -> None:
                 rows = len(stats.ok) * (args.prompt_tokens + args.max_tokens - 1) * layers if capture else 0
                 phases.append(Phase(round_index, name, stats, rows * hidden * itemsize))
                 print(f"round {round_index} {name}: ttft {fmt(stats.ttft_ms())} ms tpot {fmt(stats.tpot_ms(), 2)} ms "
+                      f"last gap {fmt(stats.last_gap_ms())} ms "
                       f"{stats.throughput():.0f} tok/s errors {stats.errors}", flush=True)
         watch.stop.set()
     finally:

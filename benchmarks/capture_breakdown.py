@@ -22,12 +22,18 @@ token over the tokens between them) against a pass that captures nothing, in rou
   ordinary memory, instead of a pageable ``.to("cpu")``.
 
 ``--profile VARIANT,...`` (e.g. ``plain,full``) adds a torch profiler pass of each named variant (the top
-host-side functions by self time, CUDA runtime calls included).
+host-side functions by self time, CUDA runtime calls included); ``--cprofile VARIANT,...`` a pass under
+Python's profiler (the engine runs in this process, so its whole loop shows: the top functions by own time,
+then vllm-interp's by cumulative time, per decode step). ``--consumer`` picks what the requests capture to:
+``logging`` takes statistics reduced on the device, so the host copier's variants only change anything with
+a consumer that takes whole rows (``inline``).
 Results are printed; nothing in the product changes. The default variant list runs in about 4 minutes on an
 H100 (engine start included).
 """
 
 import argparse
+import cProfile
+import pstats
 import statistics
 import sys
 import threading
@@ -124,6 +130,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--profile", default="", help="variants to profile, comma-separated")
+    parser.add_argument("--cprofile", default="", help="variants to run under cProfile, comma-separated")
+    parser.add_argument("--consumer", default="logging", choices=("logging", "inline"))
     parser.add_argument("--attention-backend", default=None, help="TRITON_ATTN on the lent GPU")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--variants",
@@ -134,13 +142,13 @@ def main() -> None:
     host_copies.HostCopy.land = _land_variants
     host_copies.HostCopier.submit = _submit_variants
     backend = {"attention_backend": args.attention_backend} if args.attention_backend else {}
-    llm = LLM(model=args.model, dtype=args.dtype, capture_consumers=("logging",), **backend,
+    llm = LLM(model=args.model, dtype=args.dtype, capture_consumers=(args.consumer,), **backend,
               max_model_len=args.prompt_tokens + args.max_tokens + 8, kv_cache_memory_bytes=2 << 30,
               disable_log_stats=False, seed=0)
     num_layers = llm.num_layers
     vocab = llm.llm_engine.model_config.get_vocab_size()
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    capture = {"logging": {"hooks": {"post_block": "all"}, "positions": "all_generated"}}
+    capture = {args.consumer: {"hooks": {"post_block": "all"}, "positions": "all_generated"}}
     print(f"model {args.model}: {num_layers} layers; {args.requests} requests x {args.prompt_tokens} prompt + "
           f"{args.max_tokens} generated tokens; capture {capture}", flush=True)
 
@@ -173,6 +181,17 @@ def main() -> None:
     for variant, values in table.items():
         print(f"| {variant} | {' / '.join(f'{v:.2f}' for v in values)} | {statistics.median(values) / plain:.2f} |")
     print(f"threads alive: {[t.name for t in threading.enumerate()]}")
+
+    for variant in filter(None, args.cprofile.split(",")):
+        profiler = cProfile.Profile()
+        profiler.enable()
+        one_pass(variant, 400)
+        profiler.disable()
+        steps = args.max_tokens  # every request decodes in the same steps
+        print(f"\n## cProfile: {variant} (times per pass; {steps} decode steps)\n")
+        stats = pstats.Stats(profiler)
+        stats.sort_stats("tottime").print_stats(30)
+        stats.sort_stats("cumulative").print_stats("vllm_interp", 30)
 
     if args.profile:
         from torch.profiler import ProfilerActivity, profile

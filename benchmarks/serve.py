@@ -63,6 +63,9 @@ class Sample:
     latency_s: float
     tokens: int
     error: str | None = None
+    # The gap before the last streamed text chunk: a capturing stream's finishing chunk is held until the
+    # request's capture results come (they ride on it), so this is where result delivery shows.
+    last_gap_s: float = 0.0
 
 
 # vLLM's own per-request histograms, read from each server's /metrics around every run: where the time to the
@@ -94,6 +97,10 @@ class RunStats:
     def tpot_ms(self) -> float | None:
         values = [(s.latency_s - s.ttft_s) / (s.tokens - 1) for s in self.ok if s.ttft_s is not None and s.tokens > 1]
         return 1000 * statistics.mean(values) if values else None
+
+    def last_gap_ms(self) -> float | None:
+        values = [s.last_gap_s for s in self.ok if s.ttft_s is not None]
+        return 1000 * statistics.median(values) if values else None
 
     def latency_s(self) -> float:
         return statistics.mean(s.latency_s for s in self.ok) if self.ok else float("nan")
@@ -129,7 +136,7 @@ def completion(url: str, body: dict[str, Any]) -> Sample:
         if not body.get("stream"):
             data = json.loads(response.read())
             return Sample(None, time.perf_counter() - started, data["usage"]["completion_tokens"])
-        first = last = None
+        first = last = previous = None
         while line := response.readline():
             if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                 continue
@@ -137,12 +144,12 @@ def completion(url: str, body: dict[str, Any]) -> Sample:
             if "error" in event:
                 return Sample(None, 0.0, 0, str(event["error"])[:200])
             if any(choice.get("text") for choice in event.get("choices") or []):
-                last = time.perf_counter()
+                previous, last = last, time.perf_counter()
                 first = first or last
         if first is None:
             return Sample(None, 0.0, 0, "no token streamed")
         # ignore_eos: every request generates max_tokens; chunks may carry several tokens each.
-        return Sample(first - started, last - started, body["max_tokens"])
+        return Sample(first - started, last - started, body["max_tokens"], last_gap_s=last - (previous or last))
     except (OSError, http.client.HTTPException, ValueError) as exc:
         return Sample(None, 0.0, 0, repr(exc)[:200])
     finally:

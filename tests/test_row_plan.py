@@ -21,6 +21,18 @@ def test_batch_slices_follow_the_flattened_layout():
     assert [s.req_id for s in _layout().slices(only={"c", "a"})] == ["a", "c"]  # batch order, only those
 
 
+def _plan(only, answer):
+    """The plan of ``_layout()`` where each request in ``only`` answers ``answer(req_id, position_start,
+    num_tokens)``."""
+    layout = _layout()
+    return plan_reads(layout, {i: answer(req_id, int(layout.position_starts[i]), int(layout.num_tokens[i]))
+                               for i, req_id in enumerate(layout.req_ids) if req_id in only})
+
+
+def _reads(plan):
+    return [(req_id, int(plan.slot_starts[k]), plan.positions_of(k).tolist()) for k, req_id in enumerate(plan.req_ids)]
+
+
 def _masked(pick):
     """An answer that builds the slice's positions and masks them with ``pick(req, positions)``."""
     return lambda req, start, count: pick(req, np.arange(start, start + count))
@@ -28,9 +40,10 @@ def _masked(pick):
 
 def test_plan_maps_positions_to_rows_in_batch_order():
     wanted = {"a": {20, 31}, "b": {40}, "c": {0, 4}}
-    plan = plan_reads(_layout(), {"a", "b", "c"}, _masked(lambda req, pos: np.isin(pos, list(wanted[req]))))
+    plan = _plan({"a", "b", "c"}, _masked(lambda req, pos: np.isin(pos, list(wanted[req]))))
     assert plan.rows.tolist() == [4, 15, 16, 17, 21]
-    assert [(r.req_id, r.slot_start, r.positions.tolist()) for r in plan.reads] == [
+    assert plan.splits() == [(0, 2), (2, 3), (3, 5)]
+    assert _reads(plan) == [
         ("a", 0, [20, 31]),
         ("b", 2, [40]),
         ("c", 3, [0, 4]),
@@ -38,22 +51,32 @@ def test_plan_maps_positions_to_rows_in_batch_order():
 
 
 def test_requests_without_reads_take_no_slots():
-    plan = plan_reads(_layout(), {"a", "b", "c"}, _masked(lambda req, pos: np.ones(len(pos), bool) if req == "b"
-                                                           else None if req == "a" else np.zeros(len(pos), bool)))
+    plan = _plan({"a", "b", "c"}, lambda req, start, count: np.ones(count, bool) if req == "b"
+                 else None if req == "a" else np.zeros(count, bool))
     assert plan.rows.tolist() == [16]
-    assert plan.num_rows == 1
-    only_b = plan_reads(_layout(), {"b"}, _masked(lambda req, pos: np.ones(len(pos), bool)))
-    assert only_b.rows.tolist() == [16]  # requests outside ``only`` are not asked
+    assert plan.num_rows == 1 and plan.req_ids == ["b"]
+    only_b = _plan({"b"}, lambda req, start, count: 0)
+    assert only_b.rows.tolist() == [16]  # requests without an answer read nothing
+    assert _plan(set(), lambda *_: 0).num_rows == 0
 
 
 def test_a_first_position_reads_the_rest_of_the_slice_like_the_mask_it_stands_for():
     for first in (0, 20, 31, 32, 41):
-        by_first = plan_reads(_layout(), {"a", "b", "c"}, lambda req, start, count, f=first: f)
-        masked = plan_reads(_layout(), {"a", "b", "c"}, _masked(lambda req, pos, f=first: pos >= f))
+        by_first = _plan({"a", "b", "c"}, lambda req, start, count, f=first: f)
+        masked = _plan({"a", "b", "c"}, _masked(lambda req, pos, f=first: pos >= f))
         assert by_first.rows.tolist() == masked.rows.tolist()
-        assert [(r.req_id, r.slot_start, r.positions.tolist()) for r in by_first.reads] == [
-            (r.req_id, r.slot_start, r.positions.tolist()) for r in masked.reads]
-    assert plan_reads(_layout(), {"a"}, lambda *_: 20).rows.tolist() == list(range(4, 16))
+        assert _reads(by_first) == _reads(masked)
+    assert _plan({"a"}, lambda *_: 20).rows.tolist() == list(range(4, 16))
+
+
+def test_mixed_answers_and_rows_that_do_not_start_at_zero():
+    """Rows follow each request's row start (vLLM may lay a batch out from an offset); a first position and
+    masks mix in one step."""
+    layout = BatchLayout.of(["a", "b", "c"], np.array([3, 19, 20, 25]), np.array([16, 40, 0]))
+    plan = plan_reads(layout, {0: 30, 1: None, 2: np.array([True, False, False, False, True])})
+    assert plan.rows.tolist() == [17, 18, 20, 24]
+    assert plan.positions.tolist() == [30, 31, 0, 4]
+    assert plan.req_ids == ["a", "c"] and plan.splits() == [(0, 2), (2, 4)]
 
 
 def test_steering_rows_follow_each_tokens_phase():

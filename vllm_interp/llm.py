@@ -245,7 +245,8 @@ class LLM(vllm.LLM):
         ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else prompt
         text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
         check_capture_bytes(
-            spec, num_layers=self.num_layers, hidden_size=self.shape.hidden_size, max_tokens=param.max_tokens,
+            spec, consumers=self.frontend.consumers, num_layers=self.num_layers, hidden_size=self.shape.hidden_size,
+            max_tokens=param.max_tokens,
             max_model_len=self.llm_engine.model_config.max_model_len,
             limit=self.frontend.limits.max_capture_bytes_per_request,
             prompt_len=len(ids) if isinstance(ids, list) else None,

@@ -6,7 +6,7 @@ the prompt, a whole prompt, or one decode token). Row plans are computed on the 
 rows the plan does not name (other requests, padding) are never read.
 """
 
-from collections.abc import Callable, Container
+from collections.abc import Container, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,57 +47,61 @@ class BatchLayout:
         ]
 
 
-@dataclass(frozen=True)
-class RequestReads:
-    """The reads of one request in this step: slots ``slot_start:slot_start + len(positions)``."""
-
-    req_id: str
-    slot_start: int
-    positions: np.ndarray
-
-
 @dataclass
 class ReadPlan:
+    """The rows a step reads, in slots: request ``req_ids[k]`` owns slots ``slot_starts[k]:slot_starts[k + 1]``
+    (only requests that read take slots). Arrays, not per-request objects: an every-token capture plans a row
+    for every request of every decode step."""
+
     rows: np.ndarray  # token row per slot
-    reads: list[RequestReads]
+    positions: np.ndarray  # token position per slot
+    req_ids: list[str]
+    slot_starts: np.ndarray  # len(req_ids) + 1 offsets
 
     @property
     def num_rows(self) -> int:
         return int(self.rows.shape[0])
 
+    def positions_of(self, k: int) -> np.ndarray:
+        return self.positions[self.slot_starts[k] : self.slot_starts[k + 1]]
+
+    def splits(self) -> list[tuple[int, int]]:
+        """Each reading request's ``(first slot, end slot)``, in ``req_ids`` order."""
+        bounds = self.slot_starts.tolist()
+        return list(zip(bounds[:-1], bounds[1:], strict=True))
+
 
 # What a request reads from its slice of a step: every position from this one on (an ``int``: every-token
 # capture, planned without a mask), those a boolean mask over the slice's positions picks, or nothing (None).
 ReadAnswer = int | np.ndarray | None
+NEVER = np.iinfo(np.int64).max  # a first position no slice reaches
 
 
-def plan_reads(layout: BatchLayout, only: Container[str],
-               answer: Callable[[str, int, int], ReadAnswer]) -> ReadPlan:
-    """Assign read slots, in batch order, to the rows of the requests in ``only`` that ``answer(req_id,
-    position_start, num_tokens)`` picks."""
-    position_starts, num_tokens = layout.position_starts.tolist(), layout.num_tokens.tolist()
-    row_starts = layout.row_starts.tolist()
-    rows: list[np.ndarray] = []
-    reads: list[RequestReads] = []
-    used = 0
-    for i, req_id in enumerate(layout.req_ids):
-        if req_id not in only:
-            continue
-        start, stop = position_starts[i], position_starts[i] + num_tokens[i]
-        wanted = answer(req_id, start, num_tokens[i])
-        if wanted is None:
-            continue
-        if isinstance(wanted, np.ndarray):
-            positions = np.arange(start, stop)[wanted]
-        else:
-            positions = np.arange(max(start, wanted), stop)
-        if not len(positions):
-            continue
-        rows.append(positions + (row_starts[i] - start))
-        reads.append(RequestReads(req_id, used, positions))
-        used += len(positions)
-    all_rows = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
-    return ReadPlan(rows=all_rows.astype(np.int64), reads=reads)
+def plan_reads(layout: BatchLayout, answers: Mapping[int, ReadAnswer]) -> ReadPlan:
+    """Assign read slots, in batch order, to the rows that ``answers[i]`` picks from the slice of request ``i``
+    of the batch (a request without an answer reads nothing). Vectorised over the step's tokens."""
+    count = len(layout.req_ids)
+    first = np.full(count, NEVER, dtype=np.int64)
+    masks = {}
+    for i, answer in answers.items():
+        if isinstance(answer, np.ndarray):
+            masks[i] = answer
+        elif answer is not None:
+            first[i] = answer
+    num_tokens = layout.num_tokens
+    slice_starts = np.cumsum(num_tokens) - num_tokens  # each slice's first token among the step's tokens
+    owner = np.repeat(np.arange(count), num_tokens)  # batch index of each of the step's tokens
+    offset = np.arange(len(owner)) - slice_starts[owner]  # each token's place in its slice
+    positions = layout.position_starts[owner] + offset
+    picked = positions >= first[owner]
+    for i, mask in masks.items():
+        picked[slice_starts[i] : slice_starts[i] + num_tokens[i]] = mask
+    tokens = np.flatnonzero(picked)
+    per_request = np.bincount(owner[tokens], minlength=count)
+    readers = np.flatnonzero(per_request)
+    return ReadPlan(rows=(layout.row_starts[owner] + offset)[tokens].astype(np.int64), positions=positions[tokens],
+                    req_ids=[layout.req_ids[i] for i in readers],
+                    slot_starts=np.concatenate([[0], np.cumsum(per_request[readers])]).astype(np.int64))
 
 
 def count_rows(wanted: ReadAnswer, position_start: int, num_tokens: int) -> int:

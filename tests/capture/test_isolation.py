@@ -6,6 +6,7 @@ import errno
 import json
 import os
 import signal
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 
 from vllm_interp.capture.consumer import CaptureMeta, ConsumerContext, PendingCapture, RequestCapture
 from vllm_interp.capture.consumers.filesystem import FilesystemConsumer, list_captures, read_capture
-from vllm_interp.capture.consumers.logging import LoggingConsumer, row_stats
+from vllm_interp.capture.consumers.logging import LoggingConsumer, row_statistics, stats_lists
 from vllm_interp.capture.dispatch import ConsumerRunner
 from vllm_interp.capture.isolation import InProcess
 from vllm_interp.capture.plugins import configure_consumers
@@ -30,6 +31,11 @@ def capture(request_id: str, positions: int = 5, tag: str | None = None,
     meta = CaptureMeta(request_id=request_id, tag=tag, model="m", prompt_len=positions,
                        positions=list(range(positions)), sites=SITES, dtype=str(dtype).removeprefix("torch."))
     return RequestCapture(meta, {s: torch.randn(positions, HIDDEN, generator=generator).to(dtype) for s in SITES})
+
+
+def summaries(rows: RequestCapture) -> RequestCapture:
+    """What the worker hands the logging consumer for ``rows``: each row's statistics, reduced as steps run."""
+    return RequestCapture(replace(rows.meta, dtype="float32"), {s: row_statistics(t) for s, t in rows})
 
 
 def context(name: str, **options) -> ConsumerContext:
@@ -52,11 +58,11 @@ def test_logging_in_a_process_returns_what_it_returns_in_the_worker(dtype):
                             queue_bytes=1 << 20)
     try:
         rows = capture("req-1", dtype=dtype)
-        result = submit(runner, rows)
+        result = submit(runner, summaries(rows))
         assert result.status == "ok"
-        assert result.result == {"rows": 10, "stats": {s: row_stats(rows.tensors[s]) for s in SITES}}
+        assert result.result == {"rows": 10, "stats": {s: stats_lists(row_statistics(rows.tensors[s])) for s in SITES}}
         # A request without rows travels without a shared block.
-        assert submit(runner, capture("req-2", positions=0)).result["rows"] == 0
+        assert submit(runner, summaries(capture("req-2", positions=0))).result["rows"] == 0
         assert not list(runner.host._dir.iterdir()), "a request's shared block outlived it"
     finally:
         runner.close()
@@ -94,10 +100,10 @@ def test_a_dead_child_fails_later_requests_and_the_runner_goes_on():
     runner = ConsumerRunner(InProcess(LoggingConsumer, context("logging", **options)), policy="block",
                             queue_bytes=1 << 20)
     try:
-        assert submit(runner, capture("req-1")).status == "ok"
+        assert submit(runner, summaries(capture("req-1"))).status == "ok"
         os.kill(runner.host._process.pid, signal.SIGKILL)
         runner.host._process.wait(WAIT_S)
-        failed = submit(runner, capture("req-2"))
+        failed = submit(runner, summaries(capture("req-2")))
         assert failed.status == "error" and failed.dropped == 10
         assert "capture consumer logging: its process exited (-9) while consuming request req-2" in failed.message
         assert not list(runner.host._dir.iterdir())
@@ -138,11 +144,11 @@ def test_no_room_in_shared_memory_fails_only_that_request(monkeypatch):
             raise OSError(errno.ENOSPC, "No space left on device")
 
         monkeypatch.setattr(os, "posix_fallocate", full)
-        failed = submit(runner, capture("req-1"))
+        failed = submit(runner, summaries(capture("req-1")))
         assert failed.status == "error" and "no room for 0 MiB of rows" in failed.message
         assert "No space left" in failed.message
         monkeypatch.setattr(os, "posix_fallocate", real)
-        assert submit(runner, capture("req-2")).status == "ok"
+        assert submit(runner, summaries(capture("req-2"))).status == "ok"
         assert not list(runner.host._dir.iterdir())
     finally:
         runner.close()

@@ -1,4 +1,8 @@
+"""The logging consumer: statistics reduced from the rows (as the worker does on the device), logged and
+returned."""
+
 import logging
+from dataclasses import replace
 
 import pytest
 import torch
@@ -19,9 +23,20 @@ def make_capture(positions: list[int], hidden: int = 8, dtype: torch.dtype = tor
     return RequestCapture(meta=meta, tensors=tensors)
 
 
-def make_consumer(**options: str) -> LoggingConsumer:
-    validated = LoggingConsumer.validate_engine_options(options)
-    return LoggingConsumer(ConsumerContext(name="logging", options=validated, model="m", num_layers=8, hidden_size=8))
+class ReducingConsumer:
+    """A logging consumer fed as the worker feeds it: the rows' summaries, reduced by its ``row_reduction``."""
+
+    def __init__(self, **options: str) -> None:
+        validated = LoggingConsumer.validate_engine_options(options)
+        self.consumer = LoggingConsumer(ConsumerContext(name="logging", options=validated, model="m", num_layers=8,
+                                                        hidden_size=8))
+
+    def consume(self, capture: RequestCapture) -> dict:
+        reduce = LoggingConsumer.row_reduction.reduce
+        summaries = {site: reduce(rows) for site, rows in capture}
+        assert all(t.dtype == torch.float32 for t in summaries.values())
+        return self.consumer.consume(RequestCapture(replace(capture.meta, dtype="float32"), summaries))
+
 
 
 def test_defaults():
@@ -35,7 +50,7 @@ def test_defaults():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_stats_match_torch(dtype):
     capture = make_capture([1, 2, 3], dtype=dtype)
-    result = make_consumer().consume(capture)
+    result = ReducingConsumer().consume(capture)
     assert result["rows"] == 3 * len(SITES)
     assert list(result["stats"]) == SITES
     for site, rows in capture:
@@ -57,7 +72,7 @@ def test_stats_match_torch(dtype):
 def test_logs_one_line_per_site(caplog):
     caplog.set_level(logging.INFO, logger=LOGGER)
     capture = make_capture([2, 3])
-    make_consumer().consume(capture)
+    ReducingConsumer().consume(capture)
     records = [r for r in caplog.records if r.name == LOGGER]
     assert [r.levelno for r in records] == [logging.INFO] * len(SITES)
     for record, site in zip(records, SITES, strict=True):
@@ -71,7 +86,7 @@ def test_logs_one_line_per_site(caplog):
 
 def test_level_and_max_positions(caplog):
     caplog.set_level(logging.DEBUG, logger=LOGGER)
-    make_consumer(level="debug", max_positions="2").consume(make_capture([0, 1, 2, 3, 4]))
+    ReducingConsumer(level="debug", max_positions="2").consume(make_capture([0, 1, 2, 3, 4]))
     records = [r for r in caplog.records if r.name == LOGGER]
     assert [r.levelno for r in records] == [logging.DEBUG] * len(SITES)
     message = records[0].getMessage()
@@ -81,14 +96,14 @@ def test_level_and_max_positions(caplog):
 
 def test_filtered_level_still_returns_stats(caplog):
     caplog.set_level(logging.WARNING, logger=LOGGER)
-    result = make_consumer(level="info").consume(make_capture([3]))
+    result = ReducingConsumer(level="info").consume(make_capture([3]))
     assert not [r for r in caplog.records if r.name == LOGGER]
     assert len(result["stats"]["3.post_block"]["norm"]) == 1
 
 
 def test_no_positions(caplog):
     caplog.set_level(logging.INFO, logger=LOGGER)
-    result = make_consumer().consume(make_capture([]))
+    result = ReducingConsumer().consume(make_capture([]))
     assert result["rows"] == 0
     assert result["stats"]["3.pre_attn"] == {"norm": [], "mean": [], "std": [], "min": [], "max": []}
     assert caplog.records[0].getMessage().endswith("no positions captured")

@@ -144,7 +144,8 @@ def test_requests_of_one_step_wanting_different_sites_get_their_own_rows():
         store.collect(plan, reads)
     store._drain()
     # Each request holds its own copy of a shared step's rows: a long request keeps no other's rows alive.
-    first = [store.live_entry(r).chunks[0].rows.untyped_storage().data_ptr() for r in ("wide", "narrow")]
+    first = [step.rows.part(k).untyped_storage().data_ptr() for step, k in
+             (store._entries[r].chunks[0] for r in ("wide", "narrow"))]
     assert first[0] != first[1]
     store.finish({"wide", "narrow"})
     wide_rows = ResidualReadout.from_result(store.results({"w": 1}, wait_s=5)["w"]["inline"]["result"])
@@ -180,6 +181,7 @@ def test_open_ended_position_specs_plan_from_their_first_position_as_their_masks
             plan = store.plan_reads(BatchLayout.of([f"r{i}"], np.array([0, count]), np.array([start])))
             assert counted == plan.num_rows, (positions, start)
             expected = np.arange(start, start + count)[entry.select(np.arange(start, start + count))]
-            assert [r.positions.tolist() for r in plan.reads] == ([expected.tolist()] if len(expected) else [])
+            assert [plan.positions_of(k).tolist() for k in range(len(plan.req_ids))] == (
+                [expected.tolist()] if len(expected) else [])
             assert plan.rows.tolist() == (expected - start).tolist()
     store.close()

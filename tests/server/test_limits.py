@@ -26,6 +26,7 @@ from vllm_interp import pack_vectors
 from vllm_interp.capture.consumer import CaptureMeta, ConsumerContext, EngineFacts, RequestCapture
 from vllm_interp.capture.consumers.filesystem import FilesystemConsumer
 from vllm_interp.capture.consumers.inline import InlineConsumer
+from vllm_interp.capture.consumers.logging import LoggingConsumer
 from vllm_interp.capture.limits import check_capture_bytes
 from vllm_interp.capture.spec import CaptureSpecError, validate_capture_spec
 from vllm_interp.config import FrontendLimits
@@ -248,11 +249,23 @@ def _spec(**entry) -> dict:
 def test_the_capture_bound_counts_the_worst_case_rows(positions, prompt_len, max_tokens, rows):
     spec = _spec(hooks={"post_block": [1, 2]}, positions=positions)
     row_bytes = 2 * HIDDEN * 4
-    check_capture_bytes(spec, num_layers=LAYERS, hidden_size=HIDDEN, prompt_len=prompt_len, max_tokens=max_tokens,
-                        max_model_len=512, limit=rows * row_bytes)
+    bound = {"consumers": SPEC_ARGS["consumers"], "num_layers": LAYERS, "hidden_size": HIDDEN,
+             "prompt_len": prompt_len, "max_tokens": max_tokens, "max_model_len": 512}
+    check_capture_bytes(spec, **bound, limit=rows * row_bytes)
     with pytest.raises(CaptureSpecError, match=rf"^capture\.inline: up to {rows * row_bytes} bytes"):
-        check_capture_bytes(spec, num_layers=LAYERS, hidden_size=HIDDEN, prompt_len=prompt_len,
-                            max_tokens=max_tokens, max_model_len=512, limit=rows * row_bytes - 1)
+        check_capture_bytes(spec, **bound, limit=rows * row_bytes - 1)
+
+
+def test_a_consumer_taking_row_summaries_is_bounded_by_their_width():
+    """logging takes five statistics per row, reduced on the device, not the row: the bound counts those."""
+    spec = validate_capture_spec({"logging": {"hooks": {"post_block": [1, 2]}, "positions": "all"}},
+                                 engine=EngineFacts(LAYERS), consumers={"logging": LoggingConsumer})
+    bound = {"consumers": {"logging": LoggingConsumer}, "num_layers": LAYERS, "hidden_size": HIDDEN,
+             "prompt_len": 10, "max_tokens": 5, "max_model_len": 512}
+    summary_bytes = 15 * 2 * 5 * 4
+    check_capture_bytes(spec, **bound, limit=summary_bytes)
+    with pytest.raises(CaptureSpecError, match=r"15 positions x 2 sites x 5 x 4 bytes = 600;"):
+        check_capture_bytes(spec, **bound, limit=summary_bytes - 1)
 
 
 class _Tokenizer:

@@ -16,7 +16,8 @@ Lifecycle, all on the consumer's thread except ``validate_*``:
    ``validate_hooks(hooks, options, engine)`` (classmethod) may choose the sites when the spec names none, or
    refuse sites the consumer cannot take.
 3. ``__init__(context)``: once per worker, with the engine options and the model's facts.
-4. ``consume(capture)``: once per finished request, with every captured row. Return a dict (or None) that
+4. ``consume(capture)``: once per finished request, with every captured row (or, for a consumer that declares
+   a ``row_reduction``, every row's summary, reduced on the device during the step). Return a dict (or None) that
    the caller receives as the result (offline as is; over HTTP through ``result_to_json``); raise to fail
    only this request (status ``error``).
 5. ``close()``: at engine shutdown, after every queued request was consumed.
@@ -113,9 +114,24 @@ def merge_stages(
     return {name: tensors[name] for name in sites}, {**parts[0][1], **site_metadata(sites)}
 
 
+@dataclass(frozen=True, eq=False)
+class RowReduction:
+    """What a consumer takes of each row instead of the row: ``reduce`` maps ``[..., hidden]`` rows to
+    ``[..., width]`` float32 summaries. The worker applies it on the rows' device to every step's rows, so
+    only ``width`` floats per row leave the device and wait for the request to finish (a 16-layer, 2048-wide
+    bf16 model captured at every token moves 64 KiB per token as rows, 320 bytes as five statistics). The
+    consumer then receives ``[positions, width]`` float32 tensors in place of rows. Compared by identity:
+    consumers that share one reduction share its per-step work."""
+
+    name: str
+    width: int
+    reduce: Callable[[torch.Tensor], torch.Tensor]
+
+
 @dataclass
 class RequestCapture:
-    """One request's captured rows: ``tensors["12.post_block"]`` is ``[len(meta.positions), hidden]``."""
+    """One request's captured rows: ``tensors["12.post_block"]`` is ``[len(meta.positions), hidden]`` (or
+    ``[len(meta.positions), width]`` summaries for a consumer with a ``row_reduction``)."""
 
     meta: CaptureMeta
     tensors: dict[str, torch.Tensor]
@@ -172,6 +188,8 @@ class CaptureConsumer:
     # (serialisation, writing, statistics) off the worker's interpreter; ``thread`` suits consumers that
     # share state with the worker (patch sources) or whose result is the rows themselves (inline).
     default_isolation: ClassVar[str] = "thread"
+    # A consumer that needs only a per-row summary names it here (see ``RowReduction``); None: whole rows.
+    row_reduction: ClassVar[RowReduction | None] = None
 
     def __init__(self, context: ConsumerContext) -> None:
         self.context = context

@@ -55,6 +55,7 @@ class ConsumerRunner:
     def __init__(self, host: InThread | InProcess, *, policy: OverloadPolicy, queue_bytes: int,
                  spill_dir: str | None = None, block_timeout_s: float = BLOCK_TIMEOUT_S) -> None:
         self.host = host
+        self.row_reduction = host.row_reduction  # what the store hands this consumer: rows or their summaries
         self.policy = policy
         self.queue_bytes = queue_bytes
         self.block_timeout_s = block_timeout_s

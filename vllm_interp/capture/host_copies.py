@@ -1,27 +1,36 @@
-"""Moving a step's read rows off the device, off the forward thread.
+"""Moving a step's read rows off the device without holding up the forward thread.
 
-Every capturing step leaves one gathered ``[sites, rows, hidden]`` block on the device. A thread of its own
-copies each block, in order, on a stream of its own (after an event the forward thread recorded behind the
-gather) into ordinary memory, splits it into each request's own rows, and releases the device block. Device
-memory in flight is bounded (``max_bytes``): past it the forward thread waits for the copier, which only
-happens when the host cannot keep up with the rows asked for.
+Every capturing step leaves one gathered ``[sites, rows, hidden]`` block on the device (and, for consumers
+with a row reduction, a small ``[sites, rows, width]`` block of summaries). Two ways off the device:
 
-The copy is not what makes every-token capture slow: on an H100, decode steps with 64 rows x 16 sites read
-every step take as long with the transfer (and this thread) replaced by a preallocated host block
-(``benchmarks/capture_breakdown.py``; benchmarks/results/bulk-capture-gpu-2026-11-27.md), and a pinned
-staging buffer with polled events costs what the pageable copy does.
+- ``HostCopier`` (large blocks): a thread of its own copies each block, in order, on a stream of its own
+  (after an event the forward thread recorded behind the gather) into ordinary memory, splits it into each
+  request's own rows, and releases the device block. Device memory in flight is bounded (``max_bytes``): past
+  it the forward thread waits for the copier, which only happens when the host cannot keep up.
+- ``PinnedCopy`` (blocks up to ``PINNED_MAX_BYTES``): the forward thread queues an asynchronous copy into
+  pinned memory on its own stream and records an event; the store polls the event at later steps and files
+  views of the landed block. No thread and no interpreter lock shared with one: per step, one copy and one
+  event.
+
+On an H100, decode steps with 64 rows x 16 sites read every step take as long with the large-block transfer
+(and its thread) replaced by a preallocated host block (``benchmarks/capture_breakdown.py``;
+benchmarks/results/bulk-capture-gpu-2026-11-27.md): the copy itself is not what makes every-token capture
+of whole rows slow.
 """
 
 import threading
 from collections import deque
+from collections.abc import Callable
 
 import torch
 
 MAX_BYTES_IN_FLIGHT = 1 << 30
+# Small enough that a step's block, held by its requests as views until they finish, wastes little memory.
+PINNED_MAX_BYTES = 1 << 20
 
 
 class HostCopy:
-    """One ``[sites, rows, hidden]`` block on its way to host memory, split by requests: ``parts[i]`` holds the
+    """One ``[sites, rows, hidden]`` block on its way to host memory, split by requests: ``part(i)`` holds the
     rows ``splits[i]`` (a request's own copy: a view would keep every other request's rows of the step alive
     for as long as that request runs)."""
 
@@ -49,10 +58,51 @@ class HostCopy:
     def done(self) -> bool:
         return self._done.is_set()
 
-    def wait(self) -> list[torch.Tensor]:
+    def wait(self) -> None:
         self._done.wait()
+
+    def part(self, i: int) -> torch.Tensor:
+        """Request ``i``'s rows (after ``wait``)."""
         assert self.parts is not None
-        return self.parts
+        return self.parts[i]
+
+
+class PinnedCopy:
+    """A small block copied by the forward thread into pinned memory without waiting; ``wait`` lands it in
+    ordinary memory (pinned pages go back to PyTorch's host cache at once); ``part`` is a view of it, taken
+    where the request's rows are gathered, off the forward thread."""
+
+    def __init__(self, block: torch.Tensor, splits: list[tuple[int, int]]) -> None:
+        self.splits = splits
+        self._pinned: torch.Tensor | None = torch.empty(block.shape, dtype=block.dtype, pin_memory=True)
+        self._pinned.copy_(block, non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record()
+        self._host: torch.Tensor | None = None
+
+    def done(self) -> bool:
+        return self._host is not None or self._event.query()
+
+    def wait(self) -> None:
+        if self._host is None:
+            self._event.synchronize()
+            self._host, self._pinned = self._pinned.clone(), None
+
+    def part(self, i: int) -> torch.Tensor:
+        assert self._host is not None
+        start, stop = self.splits[i]
+        return self._host[:, start:stop]
+
+
+def to_host(block: torch.Tensor, splits: list[tuple[int, int]],
+            copier: Callable[[torch.device], "HostCopier"]) -> "HostCopy | PinnedCopy":
+    """``block`` on its way to host memory, split by ``splits``: landed at once on the CPU, copied by the
+    forward thread when small, by ``copier(block.device)`` (started on first use) when large."""
+    if not block.is_cuda:
+        return HostCopy.landed(block, splits)
+    if block.numel() * block.element_size() <= PINNED_MAX_BYTES:
+        return PinnedCopy(block, splits)
+    return copier(block.device).submit(block, splits)
 
 
 class HostCopier:

@@ -54,6 +54,7 @@ class InThread:
     def __init__(self, consumer: CaptureConsumer) -> None:
         self.consumer = consumer
         self.context = consumer.context
+        self.row_reduction = type(consumer).row_reduction
 
     def run(self, pending: PendingCapture) -> dict[str, Any] | None:
         block = torch.empty(pending.shape, dtype=pending.dtype)
@@ -69,6 +70,7 @@ class InProcess:
 
     def __init__(self, cls: type[CaptureConsumer], context: ConsumerContext) -> None:
         self.context = context
+        self.row_reduction = cls.row_reduction
         self._dir = Path(tempfile.mkdtemp(prefix=f"vllm-interp-{context.name}-",
                                           dir=SHARED_DIR if os.path.isdir(SHARED_DIR) else None))
         ours, theirs = socket.socketpair()

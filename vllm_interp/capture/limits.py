@@ -2,8 +2,9 @@
 
 A request's captured rows are held on the worker until it finishes (and, for ``inline``, travel back in the
 response), so their size is bounded before the request runs. The bound is a worst case: for each consumer,
-the positions its spec may select x its sites x ``hidden_size`` x 4 bytes (fp32, the widest dtype rows are
-kept in), summed over consumers. Positions are counted within the longest sequence the request can reach:
+the positions its spec may select x its sites x the row's width x 4 bytes (fp32, the widest dtype rows are
+kept in), summed over consumers; a row is ``hidden_size`` wide, or the width of the summary a consumer with a
+``row_reduction`` takes instead. Positions are counted within the longest sequence the request can reach:
 ``prompt_len + max_tokens``, capped at ``max_model_len``; an unknown prompt length or ``max_tokens`` counts as
 ``max_model_len`` (the most vLLM admits). Every front door calls :func:`check_capture_bytes` with what it
 knows at admission, and a way to count a text prompt's tokens if it has one.
@@ -11,6 +12,7 @@ knows at admission, and a way to count a text prompt's tokens if it has one.
 
 from collections.abc import Callable, Mapping
 
+from vllm_interp.capture.consumer import CaptureConsumer
 from vllm_interp.capture.spec import CaptureSpecError, ConsumerSpec
 
 FP32_BYTES = 4
@@ -36,32 +38,40 @@ def worst_case_positions(entry: ConsumerSpec, *, prompt_len: int | None, max_tok
             return sum(1 for position in explicit if position < length)
 
 
-def capture_bytes(spec: Mapping[str, ConsumerSpec], *, num_layers: int, hidden_size: int, prompt_len: int | None,
-                  max_tokens: int | None, max_model_len: int) -> dict[str, int]:
+def row_width(consumer: type[CaptureConsumer], hidden_size: int) -> int:
+    """How many values of each row ``consumer`` receives."""
+    return consumer.row_reduction.width if consumer.row_reduction is not None else hidden_size
+
+
+def capture_bytes(spec: Mapping[str, ConsumerSpec], *, consumers: Mapping[str, type[CaptureConsumer]],
+                  num_layers: int, hidden_size: int, prompt_len: int | None, max_tokens: int | None,
+                  max_model_len: int) -> dict[str, int]:
     """Worst-case bytes of the rows each consumer of ``spec`` receives."""
     return {
         name: worst_case_positions(entry, prompt_len=prompt_len, max_tokens=max_tokens, max_model_len=max_model_len)
-        * len(entry.sites(num_layers)) * hidden_size * FP32_BYTES
+        * len(entry.sites(num_layers)) * row_width(consumers[name], hidden_size) * FP32_BYTES
         for name, entry in spec.items()
     }
 
 
-def check_capture_bytes(spec: Mapping[str, ConsumerSpec], *, num_layers: int, hidden_size: int,
-                        max_tokens: int | None, max_model_len: int, limit: int, prompt_len: int | None = None,
-                        count_prompt: Callable[[], int] | None = None, field: str = "capture") -> None:
+def check_capture_bytes(spec: Mapping[str, ConsumerSpec], *, consumers: Mapping[str, type[CaptureConsumer]],
+                        num_layers: int, hidden_size: int, max_tokens: int | None, max_model_len: int, limit: int,
+                        prompt_len: int | None = None, count_prompt: Callable[[], int] | None = None,
+                        field: str = "capture") -> None:
     """Raise a ``CaptureSpecError`` naming ``<field>.<consumer>`` (the largest) when the worst-case bytes of
     all consumers together exceed ``limit`` (``--max-capture-bytes-per-request``).
 
     ``prompt_len`` is the prompt's length in tokens when the caller has it; otherwise ``count_prompt`` (say,
     tokenizing a text prompt) is called, only when the bound fails without the length."""
-    sizes = capture_bytes(spec, num_layers=num_layers, hidden_size=hidden_size, prompt_len=prompt_len,
-                          max_tokens=max_tokens, max_model_len=max_model_len)
+    sizes = capture_bytes(spec, consumers=consumers, num_layers=num_layers, hidden_size=hidden_size,
+                          prompt_len=prompt_len, max_tokens=max_tokens, max_model_len=max_model_len)
     total = sum(sizes.values())
     if total <= limit:
         return
     if prompt_len is None and count_prompt is not None:
-        check_capture_bytes(spec, num_layers=num_layers, hidden_size=hidden_size, max_tokens=max_tokens,
-                            max_model_len=max_model_len, limit=limit, prompt_len=count_prompt(), field=field)
+        check_capture_bytes(spec, consumers=consumers, num_layers=num_layers, hidden_size=hidden_size,
+                            max_tokens=max_tokens, max_model_len=max_model_len, limit=limit,
+                            prompt_len=count_prompt(), field=field)
         return
     largest = max(sizes, key=sizes.__getitem__)
     entry = spec[largest]
@@ -70,7 +80,8 @@ def check_capture_bytes(spec: Mapping[str, ConsumerSpec], *, num_layers: int, hi
     known = "unknown" if prompt_len is None else str(prompt_len)
     raise CaptureSpecError(
         f"{field}.{largest}: up to {total} bytes of rows for this request ({largest}: {positions} positions x "
-        f"{len(entry.sites(num_layers))} sites x {hidden_size} x {FP32_BYTES} bytes = {sizes[largest]}; prompt "
+        f"{len(entry.sites(num_layers))} sites x {row_width(consumers[largest], hidden_size)} x {FP32_BYTES} bytes "
+        f"= {sizes[largest]}; prompt "
         f"length {known}, max_tokens {max_tokens if max_tokens is not None else 'unset'}, max_model_len "
         f"{max_model_len}), more than the {limit} bytes allowed (--max-capture-bytes-per-request); capture "
         "fewer sites or positions, or set max_tokens"

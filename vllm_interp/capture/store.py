@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_interp.capture.consumer import CaptureMeta, PendingCapture
+from vllm_interp.capture.consumer import CaptureMeta, PendingCapture, RowReduction
 from vllm_interp.capture.dispatch import ConsumerRunner
-from vllm_interp.capture.host_copies import HostCopier, HostCopy
+from vllm_interp.capture.host_copies import HostCopier, HostCopy, PinnedCopy, to_host
 from vllm_interp.capture.results import ConsumerResult
 from vllm_interp.capture.spec import CaptureSpec, spec_from_wire
 from vllm_interp.hooks import HOOK_INDEX, HOOKS, site_name
@@ -45,10 +45,11 @@ class _Entry:
     # replays a CUDA graph while another runs eagerly and their all-reduces no longer match.
     all_specs: CaptureSpec
     reads_held_sites: bool  # some spec wants a site this pipeline stage holds
-    # Per step, this request's rows (a recomputed position, after preemption, appears again), split from the
-    # step's block by the copier thread on GPU: never a copy on the forward thread there, and never a view
-    # that would keep other requests' rows alive for as long as this request runs.
-    chunks: list["_Chunk"] = field(default_factory=list)
+    wants_rows: bool  # some consumer of this rank takes whole rows
+    reductions: frozenset[RowReduction]  # the row summaries this rank's other consumers take instead
+    # The steps this request read in, as (step, its index among the step's readers); a recomputed position,
+    # after preemption, appears again. Filing a step costs the forward thread one tuple per request.
+    chunks: list[tuple["_StepRows", int]] = field(default_factory=list)
     num_computed: int = 0
 
     @cached_property
@@ -78,36 +79,31 @@ class _Entry:
         masks = [spec.select(positions, self.prompt_len) for spec in self.all_specs.values()]
         return np.logical_or.reduce(masks)
 
-    def columns(self) -> dict[int, int]:
-        """Each position's column in the chunks laid end to end (the latest copy of a position computed twice)."""
+    def columns(self) -> tuple[dict[int, int], int]:
+        """Each position's column in the chunks laid end to end (the latest copy of a position computed twice),
+        and how many columns they hold."""
         if not self.chunks:
-            return {}
-        positions = np.concatenate([chunk.positions for chunk in self.chunks]).tolist()
-        return {position: column for column, position in enumerate(positions)}
+            return {}, 0
+        positions = np.concatenate([step.plan.positions_of(k) for step, k in self.chunks]).tolist()
+        return {position: column for column, position in enumerate(positions)}, len(positions)
 
 
-@dataclass(frozen=True)
-class _Chunk:
-    positions: np.ndarray
-    rows: torch.Tensor  # [step sites, len(positions), hidden]: this request's own copy of the step's rows
-    sites: tuple[tuple[int, int], ...]  # the step's sites, in the rows' order
-
-
-def _gather(chunks: list[_Chunk], sites: list[tuple[int, int]], columns: list[int] | None,
-            block: torch.Tensor) -> None:
-    """Write ``sites`` x the chunks' ``columns`` (all, in order, when None) into ``block``: on a consumer's
-    runner thread, off the forward path."""
+def _gather(chunks: list[tuple["_StepRows", int]], sites: list[tuple[int, int]], columns: list[int] | None,
+            block: torch.Tensor, reduction: RowReduction | None) -> None:
+    """Write ``sites`` x the chunks' ``columns`` (all, in order, when None) of their rows (or of their
+    ``reduction``) into ``block``: on a consumer's runner thread, off the forward path."""
     if not block.numel():
         return  # no positions (or no sites) captured
     picks: dict[tuple, torch.Tensor | None] = {}
     parts = []
-    for chunk in chunks:
-        if chunk.sites not in picks:
-            where = {site: i for i, site in enumerate(chunk.sites)}
+    for step, k in chunks:
+        if step.sites not in picks:
+            where = {site: i for i, site in enumerate(step.sites)}
             index = [where[site] for site in sites]
-            picks[chunk.sites] = None if index == list(range(len(chunk.sites))) else torch.tensor(index)
-        pick = picks[chunk.sites]
-        parts.append(chunk.rows if pick is None else chunk.rows.index_select(0, pick))
+            picks[step.sites] = None if index == list(range(len(step.sites))) else torch.tensor(index)
+        pick = picks[step.sites]
+        rows = (step.rows if reduction is None else step.reduced[reduction]).part(k)
+        parts.append(rows if pick is None else rows.index_select(0, pick))
     if columns is None:
         torch.cat(parts, dim=1, out=block)
     else:
@@ -115,12 +111,24 @@ def _gather(chunks: list[_Chunk], sites: list[tuple[int, int]], columns: list[in
 
 
 @dataclass
-class _PendingCopy:
-    """A step's rows on their way to host memory."""
+class _StepRows:
+    """A step's rows (and row summaries) on their way to host memory, then held for the requests that read
+    in it until each finishes."""
 
-    rows: HostCopy  # [union sites, rows, hidden]
-    sites: list[tuple[int, int]]
+    rows: HostCopy | PinnedCopy | None  # [union sites, rows, hidden]; None when no request takes whole rows
+    reduced: dict[RowReduction, HostCopy | PinnedCopy]  # [union sites, rows, width]
+    sites: tuple[tuple[int, int], ...]  # in the rows' order
     plan: ReadPlan
+
+    def done(self) -> bool:
+        return all(copy.done() for copy in self._copies())
+
+    def wait(self) -> None:
+        for copy in self._copies():
+            copy.wait()
+
+    def _copies(self) -> list[HostCopy | PinnedCopy]:
+        return [*([self.rows] if self.rows is not None else []), *self.reduced.values()]
 
 
 class CaptureStore:
@@ -141,9 +149,9 @@ class CaptureStore:
         self._reading: set[str] = set()
         self._by_key: dict[str, str] = {}
         self._results: dict[str, dict[str, Future]] = {}
-        self._pending: list[_PendingCopy] = []
+        self._pending: list[_StepRows] = []
         self._armed_rows: torch.Tensor | None = None  # graph read buffer entries the last step set
-        self._armed_sites = False
+        self._armed_sites: frozenset[tuple[int, int]] = frozenset()  # the sites the graph read flags name
         self._copier: HostCopier | None = None  # device -> host copies of read rows, started on first use
         self._site_index: dict[tuple[tuple[int, int], ...], tuple[torch.Tensor, torch.Tensor]] = {}
         # Steps that read rows, by how the sites read them: inside a replayed CUDA graph, or eagerly.
@@ -160,8 +168,10 @@ class CaptureStore:
         specs = {name: spec for name, spec in all_specs.items() if name in self.consumers}
         entry = None
         if all_specs:
+            reductions = {self.consumers[name].row_reduction for name in specs}
             entry = _Entry(req_id, args.get("capture_key"), specs, prompt_len, self._held_sites(specs), all_specs,
-                           bool(self._held_sites(all_specs)))
+                           bool(self._held_sites(all_specs)), wants_rows=None in reductions,
+                           reductions=frozenset(reductions - {None}))
             if entry.key is not None:
                 self._by_key[entry.key] = req_id
         self._entries[req_id] = entry
@@ -184,33 +194,34 @@ class CaptureStore:
         """The live requests that may still read: the only ones a step plans reads for."""
         return self._reading
 
-    def live_entry(self, req_id: str) -> _Entry:
-        entry = self._entries[req_id]
-        assert entry is not None, req_id  # live entries are never None
-        return entry
-
-    def _note_progress(self, entry: _Entry, num_computed: int) -> None:
-        entry.num_computed = max(entry.num_computed, num_computed)
-        last = entry.last_position
-        if last is not None and num_computed > last:
-            # Every position it reads is computed (a recompute after preemption would read the same rows).
-            self._reading.discard(entry.req_id)
-
     def plan_reads(self, layout: BatchLayout) -> ReadPlan:
-        """The rows this step reads: those of the requests that may still read, at the positions they want."""
-        return plan_reads(layout, self._reading, self._read_answer)
+        """The rows this step reads: those of the requests that may still read, at the positions they want.
+        Notes each reading request's progress; one whose specs can read no further leaves the reading set."""
+        answers: dict[int, ReadAnswer] = {}
+        done = []
+        reading, entries = self._reading, self._entries
+        starts, counts = layout.position_starts.tolist(), layout.num_tokens.tolist()
+        for i, req_id in enumerate(layout.req_ids):
+            if req_id not in reading:
+                continue
+            entry, start = entries[req_id], starts[i]
+            stop = start + counts[i]
+            entry.num_computed = max(entry.num_computed, stop)
+            answers[i] = self._wanted(entry, start, counts[i])
+            last = entry.last_position
+            if last is not None and stop > last:
+                # Every position it reads is computed (a recompute after preemption would read the same rows).
+                done.append(req_id)
+        reading.difference_update(done)
+        return plan_reads(layout, answers)
 
     def count_reads(self, scheduled: Iterable[tuple[str, int, int]]) -> int:
         """How many rows a step scheduling these ``(req_id, position_start, num_tokens)`` would read, without
         planning it (a runner that must choose between graphs and eager execution before it lays out the batch
         asks this first). Requests that can no longer read are skipped."""
-        return sum(count_rows(self._wanted(self.live_entry(req_id), start, count), start, count)
-                   for req_id, start, count in scheduled if req_id in self._reading)
-
-    def _read_answer(self, req_id: str, position_start: int, num_tokens: int) -> ReadAnswer:
-        entry = self.live_entry(req_id)
-        self._note_progress(entry, position_start + num_tokens)
-        return self._wanted(entry, position_start, num_tokens)
+        reading, entries = self._reading, self._entries
+        return sum(count_rows(self._wanted(entries[req_id], start, count), start, count)
+                   for req_id, start, count in scheduled if req_id in reading)
 
     @staticmethod
     def _wanted(entry: _Entry, position_start: int, num_tokens: int) -> ReadAnswer:
@@ -226,7 +237,7 @@ class CaptureStore:
         # A rank that runs none of the step's consumers plans the same rows (so it decides between graphs and
         # eager execution as the others do) but reads nothing.
         # Requests of a step mostly want the same sites: the union of the distinct sets, not of every request's.
-        sites = frozenset().union(*{self._entries[reads.req_id].site_set for reads in plan.reads})
+        sites = frozenset().union(*{self._entries[req_id].site_set for req_id in plan.req_ids})
         reads = StepReads(to_device(plan.rows, device), sites) if sites else None
         if self.bank.graph_read_rows:
             self._arm_graph_reads(reads if reads is not None and self.fits_graph(plan.num_rows) else None)
@@ -246,12 +257,12 @@ class CaptureStore:
             bank.read_slot[reads.rows] = torch.arange(len(reads.rows), device=reads.rows.device)
             self._armed_rows = reads.rows
         sites = reads.sites if reads is not None else frozenset()
-        if sites or self._armed_sites:
+        if sites != self._armed_sites:  # steps of one workload mostly read the same sites: no upload then
             flags = np.zeros(tuple(bank.read_flags.shape), dtype=np.int32)
             for layer, hook in sites:
                 flags[bank.layer_index[layer], hook] = 1
             copy_into(bank.read_flags, flags)
-            self._armed_sites = bool(sites)
+            self._armed_sites = sites
 
     # -- after the forward ------------------------------------------------------------------------------
     def collect(self, plan: ReadPlan, reads: StepReads) -> None:
@@ -265,14 +276,19 @@ class CaptureStore:
             sites = sorted(reads.sites)
             layers, hooks = self._graph_site_index(tuple(sites))
             block = self.bank.read_out[layers, hooks, : len(reads.rows)]
-        splits = [(reads.slot_start, reads.slot_start + len(reads.positions)) for reads in plan.reads]
-        if block.is_cuda:
-            if self._copier is None:
-                self._copier = HostCopier(block.device)
-            rows = self._copier.submit(block, splits)
-        else:
-            rows = HostCopy.landed(block, splits)
-        self._pending.append(_PendingCopy(rows, sites, plan))
+        splits = plan.splits()
+        # A request finalized since the step was planned files nothing (``_file``).
+        entries = [entry for req_id in plan.req_ids if (entry := self._entries.get(req_id)) is not None]
+        # Whole rows leave the device only when some request takes them; summaries are reduced here, on it.
+        rows = to_host(block, splits, self._host_copier) if any(e.wants_rows for e in entries) else None
+        reductions = frozenset().union(*(e.reductions for e in entries))
+        reduced = {r: to_host(r.reduce(block), splits, self._host_copier) for r in reductions}
+        self._pending.append(_StepRows(rows, reduced, tuple(sites), plan))
+
+    def _host_copier(self, device: torch.device) -> HostCopier:
+        if self._copier is None:
+            self._copier = HostCopier(device)
+        return self._copier
 
     def _graph_site_index(self, sites: tuple[tuple[int, int], ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """(buffer layer index, hook) of these sites on the device, uploaded once per set of sites."""
@@ -288,24 +304,24 @@ class CaptureStore:
         """File the rows of copies that have landed under their requests. Copies holding rows of ``needed``
         requests (every request when None) are waited for; later ones are filed only if already done, so that
         a step never waits for the device on behalf of requests that are still running."""
-        last_needed = max((i for i, copy in enumerate(self._pending)
-                           if needed is None or any(reads.req_id in needed for reads in copy.plan.reads)), default=-1)
+        last_needed = -1 if needed is not None and not needed else max(
+            (i for i, step in enumerate(self._pending)
+             if needed is None or any(req_id in needed for req_id in step.plan.req_ids)), default=-1)
         filed = 0
-        for i, copy in enumerate(self._pending):
-            if i <= last_needed:
-                copy.rows.wait()
-            elif not copy.rows.done():
-                break  # copies land in order: the rest are in flight too
-            self._file(copy)
+        for i, step in enumerate(self._pending):
+            if i > last_needed and not step.done():
+                break  # steps land in order: the rest are in flight too
+            step.wait()
+            self._file(step)
             filed += 1
         del self._pending[:filed]
 
-    def _file(self, copy: _PendingCopy) -> None:
-        sites = tuple(copy.sites)
-        for reads, rows in zip(copy.plan.reads, copy.rows.wait(), strict=True):
-            entry = self._entries.get(reads.req_id)
+    def _file(self, step: _StepRows) -> None:
+        entries = self._entries
+        for k, req_id in enumerate(step.plan.req_ids):
+            entry = entries.get(req_id)
             if entry is not None and entry.sites:
-                entry.chunks.append(_Chunk(reads.positions, rows, sites))
+                entry.chunks.append((step, k))
 
     # -- finishing --------------------------------------------------------------------------------------
     def finish(self, finished_req_ids: set[str]) -> None:
@@ -361,7 +377,7 @@ class CaptureStore:
             sites = [(layer, HOOK_INDEX[hook]) for layer, hook in spec.sites(self.num_layers) if layer in self._held]
             if not sites:
                 continue  # another pipeline stage holds this consumer's layers
-            futures[name] = self._submit(name, spec, entry, columns, sites, computed)
+            futures[name] = self._submit(name, spec, entry, *columns, sites, computed)
         if entry.key is not None:
             self._results[entry.key] = futures
             self._forget_unclaimed()
@@ -380,8 +396,8 @@ class CaptureStore:
                 future.add_done_callback(lambda f, n=name, k=key: _log_failure(n, k, f.result()))
             logger.warning("capture results for key %s were never claimed; dropped them", key)
 
-    def _submit(self, name: str, spec: Any, entry: _Entry, columns: dict[int, int], sites: list[tuple[int, int]],
-                computed: int) -> Future:
+    def _submit(self, name: str, spec: Any, entry: _Entry, columns: dict[int, int], num_columns: int,
+                sites: list[tuple[int, int]], computed: int) -> Future:
         expected = spec.expected_positions(entry.prompt_len, computed)
         if isinstance(spec.positions, list):
             beyond = sorted(set(spec.positions) - set(expected))
@@ -397,19 +413,21 @@ class CaptureStore:
             missing = sorted(set(expected) - set(present))
             message = f"positions {missing[:8]}{'...' if len(missing) > 8 else ''} were not computed by this engine"
         picked = [columns[p] for p in present]
-        every_column = picked == list(range(sum(len(chunk.positions) for chunk in entry.chunks)))
+        every_column = picked == list(range(num_columns))
         chunks = entry.chunks if present else []
+        reduction = self.consumers[name].row_reduction
         table = self.bank.steer_table
+        width, dtype = (reduction.width, torch.float32) if reduction else (table.shape[-1], table.dtype)
         meta = CaptureMeta(
             request_id=self.external_id(entry.req_id), tag=spec.tag, model=self.model,
             prompt_len=entry.prompt_len, positions=present,
             sites=[site_name(layer, HOOKS[hook], spec.naming) for layer, hook in sites],
-            dtype=str(table.dtype).removeprefix("torch."), options=spec.options,
+            dtype=str(dtype).removeprefix("torch."), options=spec.options,
         )
         status = "partial_error" if message else "ok"
         base = ConsumerResult(status=status, message=message, rows=len(present) * len(sites), dropped=dropped)
-        rows = PendingCapture(meta, table.shape[-1], table.dtype,
-                              lambda block: _gather(chunks, sites, None if every_column else picked, block))
+        wanted = None if every_column else picked
+        rows = PendingCapture(meta, width, dtype, lambda block: _gather(chunks, sites, wanted, block, reduction))
         return self.consumers[name].submit(rows, base)
 
     def close(self) -> None:

@@ -270,7 +270,8 @@ def check_capture_size(state: Any, spec: CaptureSpec, prompt: Any, max_tokens: i
     def count_prompt() -> int:
         return len(state.engine_client.get_tokenizer().encode(prompt))
 
-    check_capture_bytes(spec, num_layers=shape.num_layers, hidden_size=shape.hidden_size, max_tokens=max_tokens,
+    check_capture_bytes(spec, consumers=state.vllm_interp_frontend.consumers, num_layers=shape.num_layers,
+                        hidden_size=shape.hidden_size, max_tokens=max_tokens,
                         max_model_len=max_model_len, limit=limits_of(state).max_capture_bytes_per_request,
                         prompt_len=len(prompt) if token_ids else None,
                         count_prompt=count_prompt if isinstance(prompt, str) else None, field=field)
