@@ -3,11 +3,12 @@
     VLLM_ENABLE_V1_MULTIPROCESSING=0 python -m benchmarks.capture_breakdown MODEL [--requests 64]
         [--prompt-tokens 128] [--max-tokens 256] [--rounds 2] [--profile plain,full]
 
-Every request captures ``post_block`` of every layer at every generated position to ``logging`` (its own
-process). Between passes on the same engine, the host copier's transfer (``HostCopier._to_host``), its
-per-request split (``HostCopy.land``) or its submission are swapped for variants that each drop or change one
-part of the move to host memory, and each pass reports the median decode TPOT (first to last
-token over the tokens between them) against a pass that captures nothing, in rounds (A B C ... A B C):
+Every request captures ``post_block`` of every layer at every generated position to ``--consumer``
+(``logging`` by default, in its own process). Between passes on the same engine, the host copier's transfer
+(``HostCopier._to_host``), its per-request split (``HostCopy.land``) or its submission are swapped for
+variants that each drop or change one part of the move to host memory, and each pass reports the median
+decode TPOT (first to last token over the tokens between them) against a pass that captures nothing, in
+rounds (A B C ... A B C):
 
 - ``plain``: no capture.
 - ``full``: the copier as shipped.
