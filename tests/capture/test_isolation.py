@@ -16,7 +16,7 @@ from vllm_interp.capture.consumer import CaptureMeta, ConsumerContext, PendingCa
 from vllm_interp.capture.consumers.filesystem import FilesystemConsumer, list_captures, read_capture
 from vllm_interp.capture.consumers.logging import LoggingConsumer, row_statistics, stats_lists
 from vllm_interp.capture.dispatch import ConsumerRunner
-from vllm_interp.capture.isolation import InProcess
+from vllm_interp.capture.isolation import PIPELINE_DEPTH, InProcess
 from vllm_interp.capture.plugins import configure_consumers
 from vllm_interp.capture.results import ConsumerResult
 
@@ -110,6 +110,30 @@ def test_a_dead_child_fails_later_requests_and_the_runner_goes_on():
     finally:
         with pytest.raises(RuntimeError, match="its process exited"):
             runner.close()
+
+
+def test_requests_are_handed_on_before_the_child_answers_and_answered_in_order():
+    host = InProcess(LoggingConsumer, context("logging", **LoggingConsumer.validate_engine_options({})))
+    try:
+        futures = [host.submit(PendingCapture.of(summaries(capture(f"req-{i}", positions=i + 1))))
+                   for i in range(PIPELINE_DEPTH + 1)]
+        # The last submit made room by taking the oldest answer; the others stay with the child until settled.
+        assert [f.done() for f in futures] == [True] + [False] * PIPELINE_DEPTH
+        host.settle()
+        assert [f.result()["rows"] for f in futures] == [2 * (i + 1) for i in range(PIPELINE_DEPTH + 1)]
+        assert not list(host._dir.iterdir())
+        # A child that dies with requests in flight (stopped first, so that it answers none) fails each of them.
+        os.kill(host._process.pid, signal.SIGSTOP)
+        futures = [host.submit(PendingCapture.of(summaries(capture(f"late-{i}")))) for i in range(2)]
+        os.kill(host._process.pid, signal.SIGKILL)
+        host.settle()
+        for future in futures:
+            with pytest.raises(RuntimeError, match="its process exited"):
+                future.result()
+        assert not list(host._dir.iterdir())
+    finally:
+        with pytest.raises(RuntimeError, match="its process exited"):
+            host.close()
 
 
 def test_a_child_whose_worker_is_gone_publishes_its_buffered_shard(tmp_path):

@@ -1,7 +1,9 @@
 """Running a consumer off the forward path: one thread and one bounded queue per consumer.
 
 The thread gathers each queued request's rows (``PendingCapture.fill``) and hands them to the consumer's
-host: the consumer itself on this thread, or its own process (``isolation.py``).
+host: the consumer itself on this thread, or its own process (``isolation.py``), which may still be
+consuming the previous request while this thread gathers the next. A request's result (and its room in the
+queue) comes when its host answers; with nothing queued the thread waits for every answer outstanding.
 
 The queue is bounded in bytes (``queue_mb``). When a finished request's rows do not fit, the engine-wide
 ``--capture-overload-policy`` decides:
@@ -123,27 +125,40 @@ class ConsumerRunner:
     def _run(self) -> None:
         while True:
             with self._cond:
+                idle = not self._jobs
+            if idle:
+                self.host.settle()  # nothing to gather meanwhile: collect what the host still owes
+            with self._cond:
                 self._cond.wait_for(lambda: bool(self._jobs))
                 job = self._jobs.popleft()
             if job is None:
+                self.host.settle()
                 return
-            result = self._consume(job)
-            # Room first, then the result: a caller that sees the result may submit again at once.
-            with self._cond:
-                self._queued -= job.queued_bytes
-                self._cond.notify_all()
-            job.future.set_result(result)
+            try:
+                outcome = self.host.submit(job.capture)
+            except Exception as exc:  # the rows could not be gathered or sent
+                outcome = Future()
+                outcome.set_exception(exc)
+            # Resolved on this thread: at once (in the worker), or when the child answers.
+            outcome.add_done_callback(lambda done, job=job: self._finish(job, done))
 
-    def _consume(self, job: _Job) -> ConsumerResult:
-        try:
-            payload = self.host.run(job.capture)
-        except Exception as exc:  # a consumer's failure is its request's result, never the engine's
-            message = str(exc) if isinstance(exc, ConsumerProcessError) else f"{type(exc).__name__}: {exc}"
-            logger.warning("capture consumer %s failed on request %s: %s", self.host.context.name,
-                           job.capture.meta.request_id, message)
-            return ConsumerResult.failed(message, dropped=job.result.rows)
-        finally:
-            if job.spill_path is not None:
-                job.spill_path.unlink()
-        return job.result.model_copy(update={"result": payload})
+    def _finish(self, job: _Job, outcome: Future) -> None:
+        if job.spill_path is not None:
+            job.spill_path.unlink()
+        result = self._result(job, outcome)
+        # Room first, then the result: a caller that sees the result may submit again at once.
+        with self._cond:
+            self._queued -= job.queued_bytes
+            self._cond.notify_all()
+        job.future.set_result(result)
+
+    def _result(self, job: _Job, outcome: Future) -> ConsumerResult:
+        exc = outcome.exception()
+        if exc is None:
+            return job.result.model_copy(update={"result": outcome.result()})
+        # A consumer's failure is its request's result, never the engine's.
+        message = str(exc) if isinstance(exc, ConsumerProcessError) else f"{type(exc).__name__}: {exc}"
+        logger.warning("capture consumer %s failed on request %s: %s", self.host.context.name,
+                       job.capture.meta.request_id, message)
+        return ConsumerResult.failed(message, dropped=job.result.rows)
 
