@@ -143,10 +143,11 @@ def test_requests_of_one_step_wanting_different_sites_get_their_own_rows():
             reads.out[site] = streams[site][step_index].index_select(0, reads.rows)
         store.collect(plan, reads)
     store._drain()
-    # Each request holds its own copy of a shared step's rows: a long request keeps no other's rows alive.
-    first = [step.rows.part(k).untyped_storage().data_ptr() for step, k in
-             (store._entries[r].chunks[0] for r in ("wide", "narrow"))]
-    assert first[0] != first[1]
+    # Each request holds its own copy of a shared step's rows, and the step none: a long request keeps no
+    # other's rows alive.
+    (wide_step, _, wide_own), (narrow_step, _, narrow_own) = (store._entries[r].chunks[0] for r in ("wide", "narrow"))
+    assert wide_step is narrow_step and wide_step.rows is None
+    assert wide_own[None].untyped_storage().data_ptr() != narrow_own[None].untyped_storage().data_ptr()
     store.finish({"wide", "narrow"})
     wide_rows = ResidualReadout.from_result(store.results({"w": 1}, wait_s=5)["w"]["inline"]["result"])
     narrow_rows = ResidualReadout.from_result(store.results({"n": 2}, wait_s=5)["n"]["inline"]["result"])

@@ -47,9 +47,9 @@ class _Entry:
     reads_held_sites: bool  # some spec wants a site this pipeline stage holds
     wants_rows: bool  # some consumer of this rank takes whole rows
     reductions: frozenset[RowReduction]  # the row summaries this rank's other consumers take instead
-    # The steps this request read in, as (step, its index among the step's readers); a recomputed position,
-    # after preemption, appears again. Filing a step costs the forward thread one tuple per request.
-    chunks: list[tuple["_StepRows", int]] = field(default_factory=list)
+    # The steps this request read in, as (step, its index among the step's readers, its own parts of the step's
+    # large copies); a recomputed position, after preemption, appears again (see ``CaptureStore._file``).
+    chunks: list["_Chunk"] = field(default_factory=list)
     num_computed: int = 0
 
     @cached_property
@@ -84,11 +84,11 @@ class _Entry:
         and how many columns they hold."""
         if not self.chunks:
             return {}, 0
-        positions = np.concatenate([step.plan.positions_of(k) for step, k in self.chunks]).tolist()
+        positions = np.concatenate([step.plan.positions_of(k) for step, k, _ in self.chunks]).tolist()
         return {position: column for column, position in enumerate(positions)}, len(positions)
 
 
-def _gather(chunks: list[tuple["_StepRows", int]], sites: list[tuple[int, int]], columns: list[int] | None,
+def _gather(chunks: list["_Chunk"], sites: list[tuple[int, int]], columns: list[int] | None,
             block: torch.Tensor, reduction: RowReduction | None) -> None:
     """Write ``sites`` x the chunks' ``columns`` (all, in order, when None) of their rows (or of their
     ``reduction``) into ``block``: on a consumer's runner thread, off the forward path."""
@@ -96,13 +96,13 @@ def _gather(chunks: list[tuple["_StepRows", int]], sites: list[tuple[int, int]],
         return  # no positions (or no sites) captured
     picks: dict[tuple, torch.Tensor | None] = {}
     parts = []
-    for step, k in chunks:
+    for step, k, own in chunks:
         if step.sites not in picks:
             where = {site: i for i, site in enumerate(step.sites)}
             index = [where[site] for site in sites]
             picks[step.sites] = None if index == list(range(len(step.sites))) else torch.tensor(index)
         pick = picks[step.sites]
-        rows = (step.rows if reduction is None else step.reduced[reduction]).part(k)
+        rows = own[reduction] if own is not None and reduction in own else step.copy(reduction).part(k)
         parts.append(rows if pick is None else rows.index_select(0, pick))
     if columns is None:
         torch.cat(parts, dim=1, out=block)
@@ -120,15 +120,31 @@ class _StepRows:
     sites: tuple[tuple[int, int], ...]  # in the rows' order
     plan: ReadPlan
 
+    def copy(self, reduction: RowReduction | None) -> HostCopy | PinnedCopy:
+        """The copy of the rows (None) or of a reduction."""
+        return self.rows if reduction is None else self.reduced[reduction]
+
+    def copies(self) -> dict[RowReduction | None, HostCopy | PinnedCopy]:
+        return {**({None: self.rows} if self.rows is not None else {}), **self.reduced}
+
     def done(self) -> bool:
-        return all(copy.done() for copy in self._copies())
+        return all(copy.done() for copy in self.copies().values())
 
     def wait(self) -> None:
-        for copy in self._copies():
+        for copy in self.copies().values():
             copy.wait()
 
-    def _copies(self) -> list[HostCopy | PinnedCopy]:
-        return [*([self.rows] if self.rows is not None else []), *self.reduced.values()]
+    def hand_out(self) -> dict[RowReduction | None, HostCopy]:
+        """Let go of the large copies, whose parts are each request's own (``HostCopy``), and return them."""
+        large = {key: copy for key, copy in self.copies().items() if isinstance(copy, HostCopy)}
+        if None in large:
+            self.rows = None
+        self.reduced = {key: copy for key, copy in self.reduced.items() if key not in large}
+        return large
+
+
+# (step, the request's index among the step's readers, its own parts of the step's large copies or None)
+_Chunk = tuple[_StepRows, int, dict[RowReduction | None, torch.Tensor] | None]
 
 
 class CaptureStore:
@@ -317,11 +333,15 @@ class CaptureStore:
         del self._pending[:filed]
 
     def _file(self, step: _StepRows) -> None:
-        entries = self._entries
+        """File a landed step under each request that read in it. Large copies were split per request by the
+        copier: each request takes its own parts and the step lets go of them, so a long request never keeps
+        the others' rows alive. Small ones stay with the step, read as views when a request's rows are gathered:
+        filing an every-token step of small summaries costs one tuple per request."""
+        entries, large = self._entries, step.hand_out()
         for k, req_id in enumerate(step.plan.req_ids):
             entry = entries.get(req_id)
             if entry is not None and entry.sites:
-                entry.chunks.append((step, k))
+                entry.chunks.append((step, k, {key: copy.part(k) for key, copy in large.items()} if large else None))
 
     # -- finishing --------------------------------------------------------------------------------------
     def finish(self, finished_req_ids: set[str]) -> None:
