@@ -8,14 +8,14 @@ with a row reduction, a small ``[sites, rows, width]`` block of summaries). Two 
   request's own rows, and releases the device block. Device memory in flight is bounded (``max_bytes``): past
   it the forward thread waits for the copier, which only happens when the host cannot keep up.
 - ``PinnedCopy`` (blocks up to ``PINNED_MAX_BYTES``): the forward thread queues an asynchronous copy into
-  pinned memory on its own stream and records an event; the store polls the event at later steps and files
-  views of the landed block. No thread and no interpreter lock shared with one: per step, one copy and one
-  event.
+  pinned memory on its current stream and records an event; the store polls the event at later steps, and a
+  request's rows are views of the landed block, taken where they are gathered. No thread and no interpreter
+  lock shared with one: per step, one copy and one event (every-token statistics to ``logging`` on an H100:
+  decode steps 1.04x plain; benchmarks/results/bulk-capture-gpu-2026-11-27.md).
 
-On an H100, decode steps with 64 rows x 16 sites read every step take as long with the large-block transfer
-(and its thread) replaced by a preallocated host block (``benchmarks/capture_breakdown.py``;
-benchmarks/results/bulk-capture-gpu-2026-11-27.md): the copy itself is not what makes every-token capture
-of whole rows slow.
+For large blocks the copy is not what makes every-token capture of whole rows slow: on an H100, decode steps
+with 64 rows x 16 sites read every step took as long with the transfer (and its thread) replaced by a
+preallocated host block (``benchmarks/capture_breakdown.py``, same record).
 """
 
 import threading
