@@ -29,6 +29,11 @@ class ConsumerResult(BaseModel):
     def failed(cls, message: str, *, dropped: int = 0) -> "ConsumerResult":
         return cls(status="error", message=message, dropped=dropped)
 
+    def as_dict(self) -> dict[str, Any]:
+        """The fields as a dict, the payload as it is: ``model_dump`` would rebuild every list of a payload
+        (41,000 floats of every-token statistics: 0.75 ms a request, on the worker and on the API server)."""
+        return {**self.model_dump(exclude={"result"}), "result": self.result}
+
 
 def worst_status(statuses: list[Status]) -> Status:
     return max(statuses, key=_SEVERITY.__getitem__)
@@ -95,7 +100,7 @@ class ResultCollector:
 
 def result_to_json(result: ConsumerResult, payload_to_json: Any) -> dict[str, Any]:
     """A result as JSON; ``payload_to_json`` (the consumer's ``result_to_json``) converts its payload."""
-    data = result.model_dump()
+    data = result.as_dict()
     if data["result"] is not None:
         data["result"] = payload_to_json(data["result"])
     return data

@@ -384,7 +384,7 @@ class CaptureStore:
             if all(f.done() for f in futures.values()):
                 del self._results[key]
                 self._by_key.pop(key, None)
-                done[key] = {name: f.result().model_dump() for name, f in futures.items()}
+                done[key] = {name: f.result().as_dict() for name, f in futures.items()}
         return done
 
     def _finalize(self, entry: _Entry, length: int | None) -> None:
