@@ -144,7 +144,7 @@ class ConsumerRunner:
 
     def _finish(self, job: _Job, outcome: Future) -> None:
         if job.spill_path is not None:
-            job.spill_path.unlink()
+            job.spill_path.unlink(missing_ok=True)
         result = self._result(job, outcome)
         # Room first, then the result: a caller that sees the result may submit again at once.
         with self._cond:

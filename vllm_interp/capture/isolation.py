@@ -158,7 +158,7 @@ class InProcess:
                 answer = self._receive(doing)
             finally:
                 self._release(fd, path)  # before the outcome: whoever sees it finds the block gone
-        except (RuntimeError, ConsumerProcessError) as exc:
+        except Exception as exc:  # whatever keeps the answer from coming is this request's failure
             future.set_exception(exc)
         else:
             future.set_result(answer)
