@@ -141,7 +141,9 @@ def test_a_child_whose_worker_is_gone_publishes_its_buffered_shard(tmp_path):
     published rather than lost."""
     host = InProcess(FilesystemConsumer, context("filesystem", **filesystem_options(tmp_path, layout="sharded")))
     rows = capture("req-1", tag="kept")
-    assert host.run(PendingCapture.of(rows))["pending"] is True
+    written = host.submit(PendingCapture.of(rows))
+    host.settle()
+    assert written.result()["pending"] is True
     host._conn.close()
     assert host._process.wait(WAIT_S) == 0
     assert list_captures(tmp_path) == ["kept"]

@@ -133,12 +133,6 @@ class InProcess:
         while self._in_flight:
             self._receive_oldest()
 
-    def run(self, pending: PendingCapture) -> dict[str, Any] | None:
-        """Consume ``pending`` and return the child's answer."""
-        future = self.submit(pending)
-        self.settle()
-        return future.result()
-
     def _fill(self, fd: int, pending: PendingCapture) -> None:
         nbytes = pending.nbytes
         try:

@@ -81,8 +81,7 @@ def check_capture_bytes(spec: Mapping[str, ConsumerSpec], *, consumers: Mapping[
     raise CaptureSpecError(
         f"{field}.{largest}: up to {total} bytes of rows for this request ({largest}: {positions} positions x "
         f"{len(entry.sites(num_layers))} sites x {row_width(consumers[largest], hidden_size)} x {FP32_BYTES} bytes "
-        f"= {sizes[largest]}; prompt "
-        f"length {known}, max_tokens {max_tokens if max_tokens is not None else 'unset'}, max_model_len "
-        f"{max_model_len}), more than the {limit} bytes allowed (--max-capture-bytes-per-request); capture "
-        "fewer sites or positions, or set max_tokens"
+        f"= {sizes[largest]}; prompt length {known}, max_tokens {max_tokens if max_tokens is not None else 'unset'}, "
+        f"max_model_len {max_model_len}), more than the {limit} bytes allowed (--max-capture-bytes-per-request); "
+        "capture fewer sites or positions, or set max_tokens"
     )

@@ -391,13 +391,13 @@ class CaptureStore:
         # The last sampled token is never fed back: with the final length known, rows past it (an async
         # scheduler's step that ran past a stop) are not part of the request.
         computed = entry.num_computed if length is None else min(entry.num_computed, max(length - 1, 0))
-        columns = entry.columns()
+        columns, num_columns = entry.columns()
         futures = {}
         for name, spec in entry.specs.items():
             sites = [(layer, HOOK_INDEX[hook]) for layer, hook in spec.sites(self.num_layers) if layer in self._held]
             if not sites:
                 continue  # another pipeline stage holds this consumer's layers
-            futures[name] = self._submit(name, spec, entry, *columns, sites, computed)
+            futures[name] = self._submit(name, spec, entry, columns, num_columns, sites, computed)
         if entry.key is not None:
             self._results[entry.key] = futures
             self._forget_unclaimed()
