@@ -14,7 +14,7 @@ import torch
 
 from vllm_interp.capture.consumer import CaptureMeta, ConsumerContext, PendingCapture, RequestCapture
 from vllm_interp.capture.consumers.filesystem import FilesystemConsumer, list_captures, read_capture
-from vllm_interp.capture.consumers.logging import LoggingConsumer, row_statistics, stats_lists
+from vllm_interp.capture.consumers.logging import STATS, LoggingConsumer, row_statistics, stats_lists
 from vllm_interp.capture.dispatch import ConsumerRunner
 from vllm_interp.capture.isolation import PIPELINE_DEPTH, InProcess
 from vllm_interp.capture.plugins import configure_consumers
@@ -60,9 +60,11 @@ def test_logging_in_a_process_returns_what_it_returns_in_the_worker(dtype):
         rows = capture("req-1", dtype=dtype)
         result = submit(runner, summaries(rows))
         assert result.status == "ok"
-        assert result.result == {"rows": 10, "stats": {s: stats_lists(row_statistics(rows.tensors[s])) for s in SITES}}
+        expected = {"rows": 10, "stats": {s: stats_lists(row_statistics(rows.tensors[s])) for s in SITES}}
+        assert LoggingConsumer.result_from_wire(result.result) == expected
         # A request without rows travels without a shared block.
-        assert submit(runner, summaries(capture("req-2", positions=0))).result["rows"] == 0
+        assert LoggingConsumer.result_from_wire(submit(runner, summaries(capture("req-2", positions=0))).result) == {
+            "rows": 0, "stats": {s: {key: [] for key in STATS} for s in SITES}}
         assert not list(runner.host._dir.iterdir()), "a request's shared block outlived it"
     finally:
         runner.close()

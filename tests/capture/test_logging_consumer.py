@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from vllm_interp.capture.consumer import CaptureMeta, ConsumerContext, EngineFacts, RequestCapture
-from vllm_interp.capture.consumers.logging import LoggingConsumer
+from vllm_interp.capture.consumers.logging import STATS, LoggingConsumer
 
 LOGGER = "vllm_interp.capture.logging"
 SITES = ["3.pre_attn", "3.post_block", "7.post_block"]
@@ -31,11 +31,16 @@ class ReducingConsumer:
         self.consumer = LoggingConsumer(ConsumerContext(name="logging", options=validated, model="m", num_layers=8,
                                                         hidden_size=8))
 
-    def consume(self, capture: RequestCapture) -> dict:
+    def consume_wire(self, capture: RequestCapture) -> dict:
+        """The result as it leaves the consumer."""
         reduce = LoggingConsumer.row_reduction.reduce
         summaries = {site: reduce(rows) for site, rows in capture}
         assert all(t.dtype == torch.float32 for t in summaries.values())
         return self.consumer.consume(RequestCapture(replace(capture.meta, dtype="float32"), summaries))
+
+    def consume(self, capture: RequestCapture) -> dict:
+        """The result as the caller receives it."""
+        return LoggingConsumer.result_from_wire(self.consume_wire(capture))
 
 
 
@@ -107,6 +112,27 @@ def test_no_positions(caplog):
     assert result["rows"] == 0
     assert result["stats"]["3.pre_attn"] == {"norm": [], "mean": [], "std": [], "min": [], "max": []}
     assert caplog.records[0].getMessage().endswith("no positions captured")
+
+
+def test_statistics_travel_packed():
+    # One buffer of float32 crosses the process hops, not a Python float per statistic.
+    wire = ReducingConsumer().consume_wire(make_capture([1, 2, 3]))
+    assert wire["sites"] == SITES
+    assert wire["stats"]["shape"] == [len(SITES), 3, len(STATS)] and wire["stats"]["dtype"] == "float32"
+    assert isinstance(wire["stats"]["data"], bytes)
+
+
+def test_pipeline_stages_merge_by_site():
+    early, late = SITES[:1], SITES[1:]
+    capture = make_capture([2, 3])
+    consumer = ReducingConsumer()
+
+    def stage(sites):
+        meta = replace(capture.meta, sites=sites)
+        return consumer.consume(RequestCapture(meta, {site: capture.tensors[site] for site in sites}))
+
+    whole = consumer.consume(capture)
+    assert LoggingConsumer.merge_results([stage(early), stage(late)]) == whole
 
 
 @pytest.mark.parametrize(

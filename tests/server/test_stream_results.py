@@ -8,9 +8,11 @@ from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
+import torch
 from starlette.datastructures import State
 
-from vllm_interp.capture.consumers.logging import LoggingConsumer
+from vllm_interp.capture.consumers.logging import STATS, LoggingConsumer
+from vllm_interp.capture.packed import pack
 from vllm_interp.frontend import InterpFrontend, ResultsPoller
 from vllm_interp.request_args import HTTP_PAYLOAD
 from vllm_interp.server.request_fields import RequestFieldsMiddleware
@@ -18,7 +20,10 @@ from vllm_interp.steering.state import SteeringState
 from vllm_interp.steering.vectors import ModelShape
 
 USAGE = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
-RESULT = {"status": "ok", "message": None, "result": {"rows": 1}, "rows": 1, "dropped": 0, "spilled": 0}
+# The logging consumer's result as a worker sends it (statistics packed), and as the client receives it.
+WIRE_RESULT = {"status": "ok", "message": None, "rows": 1, "dropped": 0, "spilled": 0,
+               "result": {"rows": 1, "sites": ["1.post_block"], "stats": pack(torch.ones(1, 1, len(STATS)))}}
+RESULT = {**WIRE_RESULT, "result": {"rows": 1, "stats": {"1.post_block": {key: [1.0] for key in STATS}}}}
 REQUEST = {"prompt": "x", "max_tokens": 2, "stream": True, "capture": {"logging": {"hooks": {"post_block": [1]}}}}
 DONE = b"data: [DONE]\n\n"
 
@@ -65,7 +70,7 @@ class Engine:
     async def collective_rpc(self, method: str, args: tuple) -> list[dict]:
         pending, _wait_s = args
         self.asked.append(dict(pending))
-        return [{key: {"logging": RESULT} for key in pending}]
+        return [{key: {"logging": WIRE_RESULT} for key in pending}]
 
 
 def _serve(request: dict, events: Callable[[dict], list[bytes]] = vllm_events,

@@ -18,8 +18,9 @@ Lifecycle, all on the consumer's thread except ``validate_*``:
 3. ``__init__(context)``: once per worker, with the engine options and the model's facts.
 4. ``consume(capture)``: once per finished request, with every captured row (or, for a consumer that declares
    a ``row_reduction``, every row's summary, reduced on the device during the step). Return a dict (or None) that
-   the caller receives as the result (offline as is; over HTTP through ``result_to_json``); raise to fail
-   only this request (status ``error``).
+   travels to the caller as the result: on the caller's side ``result_from_wire`` (classmethod; default: as is)
+   turns it into what the caller receives (offline as is; over HTTP through ``result_to_json``). Tensors
+   travel best packed (``capture.packed``). Raise to fail only this request (status ``error``).
 5. ``close()``: at engine shutdown, after every queued request was consumed.
 
 Under pipeline parallelism each stage's instance receives that stage's layers; ``merge_results`` combines
@@ -220,6 +221,12 @@ class CaptureConsumer:
     def merge_results(cls, results: list[dict[str, Any]]) -> dict[str, Any]:
         """Combine the results of pipeline stages (each consumed its own layers) into the caller's one."""
         return {"stages": results}
+
+    @classmethod
+    def result_from_wire(cls, result: dict[str, Any]) -> dict[str, Any]:
+        """What ``consume`` returned, as the caller receives it, on the caller's side (before
+        ``merge_results``); default: as it came."""
+        return result
 
     @classmethod
     def result_to_json(cls, result: dict[str, Any]) -> dict[str, Any]:

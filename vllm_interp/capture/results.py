@@ -78,15 +78,17 @@ class ResultCollector:
                 self._answers[key][rank] = result
 
     def merged(self, consumers: dict[str, Any]) -> dict[str, dict[str, ConsumerResult]]:
-        """Per key, per requested consumer: the stages' results merged (by the consumer class's
-        ``merge_results``; ``consumers`` maps names to classes), or an error saying why none came."""
+        """Per key, per requested consumer: the stages' results, each payload unpacked (by the consumer class's
+        ``result_from_wire``) and then merged (by its ``merge_results``; ``consumers`` maps names to classes), or
+        an error saying why none came."""
         pending = self.pending
         merged = {}
         for key, names in self.requested.items():
             by_rank = self._answers[key].values()
             results = {}
             for name in names:
-                parts = [ConsumerResult.model_validate(r[name]) for r in by_rank if name in r]
+                parts = [_from_wire(ConsumerResult.model_validate(r[name]), consumers[name]) for r in by_rank
+                         if name in r]
                 if key in pending:
                     results[name] = ConsumerResult.failed("the consumer did not finish in time")
                 elif not parts:
@@ -97,6 +99,13 @@ class ResultCollector:
                     results[name] = merge_stage_results(parts, consumers[name].merge_results)
             merged[key] = results
         return merged
+
+
+def _from_wire(result: ConsumerResult, consumer: Any) -> ConsumerResult:
+    """A rank's result with its payload as the caller receives it (the consumer class's ``result_from_wire``)."""
+    if result.result is None:
+        return result
+    return result.model_copy(update={"result": consumer.result_from_wire(result.result)})
 
 
 def result_to_json(result: ConsumerResult, payload_to_json: Any) -> dict[str, Any]:

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load, save
 
 from vllm_interp.capture.consumer import CaptureConsumer, RequestCapture, merge_stages
+from vllm_interp.capture.packed import pack, unpack
 from vllm_interp.hooks import canonical_hook, parse_site_name, site_name, site_order
 
 METADATA_KEY = "vllm_interp"
@@ -67,16 +68,14 @@ class ResidualReadout:
         if "safetensors" in result:
             return cls.from_bytes(base64.b64decode(result["safetensors"]))
         metadata = result["metadata"]
-        raw = torch.frombuffer(bytearray(result["data"]), dtype=torch.uint8) if result["data"] else torch.empty(0)
-        block = raw.view(getattr(torch, metadata["dtype"])).reshape(result["shape"])
+        block = unpack(result["rows"])
         return cls(list(metadata["positions"]), dict(zip(metadata["sites"], block.unbind(0), strict=True)), metadata)
 
     def to_result(self) -> dict[str, Any]:
-        """One ``[sites, positions, hidden]`` block as bytes: plain for the RPC that carries it to the caller
-        (vLLM's msgpack would not rebuild tensors nested in a result), and one copy however many sites."""
+        """One ``[sites, positions, hidden]`` block, packed (``capture.packed``): one copy however many sites."""
         block = torch.stack(list(self.tensors.values())) if self.tensors else torch.empty(0)
         metadata = {**self.metadata, "sites": list(self.tensors), "dtype": str(block.dtype).removeprefix("torch.")}
-        return {"metadata": metadata, "shape": list(block.shape), "data": block.view(torch.uint8).numpy().tobytes()}
+        return {"metadata": metadata, "rows": pack(block)}
 
 
 def _header_metadata(blob: bytes) -> dict[str, str]:

@@ -9,7 +9,8 @@ per site (logger ``vllm_interp.capture.logging``) and returns the statistics as 
 Every list has one float per captured position, in ``meta.positions`` order. ``std`` is the population
 standard deviation over the hidden dimension. The statistics are computed in float32 on the rows' device
 during each step (the consumer's ``row_reduction``): every-token capture to ``logging`` moves five floats
-per row off the GPU, not the row.
+per row off the GPU, not the row. They travel back packed (``capture.packed``: one buffer, not 41,000 Python
+floats for 512 positions at 16 sites) and become lists on the caller's side (``result_from_wire``).
 """
 
 import logging
@@ -19,6 +20,7 @@ from typing import Any, ClassVar
 import torch
 
 from vllm_interp.capture.consumer import CaptureConsumer, ConsumerContext, RequestCapture, RowReduction
+from vllm_interp.capture.packed import pack, unpack
 
 logger = logging.getLogger("vllm_interp.capture.logging")
 
@@ -84,20 +86,34 @@ class LoggingConsumer(CaptureConsumer):
 
     def consume(self, capture: RequestCapture) -> dict[str, Any]:
         meta = capture.meta
-        stats = {site: stats_lists(site_stats) for site, site_stats in capture}
         # The formatting is the costly part for wide captures; skip it when the level is filtered out.
         if logger.isEnabledFor(self.level):
             head = f"request {meta.request_id}" + (f" tag={meta.tag}" if meta.tag else "")
-            for site, site_stats in stats.items():
+            for site, site_stats in capture:
                 logger.log(self.level, "%s %s: %s", head, site, self._format(meta.positions, site_stats))
-        return {"rows": len(meta.positions) * len(stats), "stats": stats}
+        stats = torch.stack([capture.tensors[site] for site in meta.sites]) if meta.sites else torch.empty(0, 0, 0)
+        return {"rows": len(meta.positions) * len(meta.sites), "sites": meta.sites, "stats": pack(stats)}
 
-    def _format(self, positions: list[int], stats: dict[str, list[float]]) -> str:
+    @classmethod
+    def result_from_wire(cls, result: dict[str, Any]) -> dict[str, Any]:
+        """The packed ``[sites, positions, statistics]`` block as one list per statistic per site."""
+        stats = unpack(result["stats"])
+        return {"rows": result["rows"],
+                "stats": {site: stats_lists(site_stats) for site, site_stats in zip(result["sites"], stats,
+                                                                                     strict=True)}}
+
+    @classmethod
+    def merge_results(cls, results: list[dict[str, Any]]) -> dict[str, Any]:
+        """Pipeline stages each return their own layers' sites: one result with all of them, in stage order."""
+        return {"rows": sum(r["rows"] for r in results),
+                "stats": {site: values for r in results for site, values in r["stats"].items()}}
+
+    def _format(self, positions: list[int], stats: torch.Tensor) -> str:
         if not positions:
             return "no positions captured"
         shown = [
-            f"[{pos}] " + " ".join(f"{key}={values[i]:.4g}" for key, values in stats.items())
-            for i, pos in enumerate(positions[: self.max_positions])
+            f"[{pos}] " + " ".join(f"{key}={value:.4g}" for key, value in zip(STATS, values, strict=True))
+            for pos, values in zip(positions[: self.max_positions], stats[: self.max_positions].tolist(), strict=True)
         ]
         omitted = len(positions) - len(shown)
         return " | ".join(shown) + (f" (+{omitted} positions omitted)" if omitted else "")

@@ -1,0 +1,27 @@
+"""Tensors in a consumer's result as bytes, shape and dtype: the form that crosses the worker's process
+boundaries (a consumer's own process, the engine core, the API server) as one buffer.
+
+vLLM's msgpack carries bytes as they are but would not rebuild a tensor nested in a result, and a result of
+Python floats costs a conversion, a pickle and a decode per element at every hop (41,000 floats of every-token
+statistics: several ms a request). A consumer packs what it returns; its ``result_from_wire`` unpacks on the
+caller's side, once.
+"""
+
+from typing import Any
+
+import torch
+
+
+def pack(tensor: torch.Tensor) -> dict[str, Any]:
+    """``{"dtype", "shape", "data"}``: the tensor's bytes (row-major) with what rebuilds it."""
+    tensor = tensor.detach().cpu().contiguous()
+    return {"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape),
+            "data": tensor.view(-1).view(torch.uint8).numpy().tobytes()}
+
+
+def unpack(packed: dict[str, Any]) -> torch.Tensor:
+    """The tensor ``pack`` described (it owns its memory)."""
+    dtype, shape, data = getattr(torch, packed["dtype"]), packed["shape"], packed["data"]
+    if not data:  # frombuffer refuses an empty buffer
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
