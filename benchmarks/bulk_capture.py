@@ -30,7 +30,7 @@ from typing import Any
 import psutil
 import torch
 
-from benchmarks.serve import RunStats, column_medians, fmt, gpu_card, ratio, run_requests
+from benchmarks.serve import RESULTS_METRICS, RunStats, column_medians, fmt, gpu_card, ratio, run_requests
 from benchmarks.serving import VLLM_INTERP_MODULE, launch_server, server_rss_mb, stop_server, wait_healthy
 from vllm_interp.capture.consumer import CaptureMeta, ConsumerContext, RequestCapture
 from vllm_interp.capture.consumers.filesystem import FilesystemConsumer
@@ -123,9 +123,12 @@ def report(args: argparse.Namespace, phases: list[Phase], rates: list[tuple[floa
              f"(`layout=sharded`), both with `isolation={args.isolation}`",
              f"- Server args: `{' '.join(args.server_arg)}`; started {started}; {wall_s:.0f} s", "",
              "(last gap: the median wait for a stream's last text chunk, which a capturing stream holds until the "
-             "request's capture results come; TPOT includes it)", "",
-             "| round | phase | TTFT ms | TPOT ms | last gap ms | tok/s | throughput / plain | TPOT / plain | "
-             "TTFT / plain | captured MB | captured MB/s | errors |", "|" + "---|" * 12]
+             "request's capture results come; TPOT includes it. Results wait / prepare: the server's mean per "
+             "capturing request, from vLLM's last output to the results reaching the API server, then their "
+             "unpacking and conversion there; `vllm_interp/server/metrics.py`)", "",
+             "| round | phase | TTFT ms | TPOT ms | last gap ms | results wait / prepare ms | tok/s | "
+             "throughput / plain | TPOT / plain | TTFT / plain | captured MB | captured MB/s | errors |",
+             "|" + "---|" * 13]
     summary: dict[str, list[tuple[float | None, ...]]] = {}
     for phase in phases:
         base = next(p.stats for p in phases if p.round_index == phase.round_index and p.name == "plain")
@@ -135,8 +138,10 @@ def report(args: argparse.Namespace, phases: list[Phase], rates: list[tuple[floa
         summary.setdefault(phase.name, []).append(ratios)
         captured = phase.captured_bytes / 1e6
         sink = f"{captured:.0f} | {captured / s.wall_s:.0f}" if captured else "- | -"
+        results = " / ".join(fmt(s.engine_ms.get(label)) for label in RESULTS_METRICS)
         lines.append(f"| {phase.round_index} | {phase.name} | {fmt(s.ttft_ms())} | {fmt(s.tpot_ms(), 2)} | "
-                     f"{fmt(s.last_gap_ms())} | {s.throughput():.0f} | " + " | ".join(fmt(r, 3) for r in ratios)
+                     f"{fmt(s.last_gap_ms())} | {results} | {s.throughput():.0f} | "
+                     + " | ".join(fmt(r, 3) for r in ratios)
                      + f" | {sink} | {s.errors} |")
     lines += ["", "Median over rounds (against `plain` of the same round):", "",
               "| phase | throughput | TPOT | TTFT |", "|---|---|---|---|"]

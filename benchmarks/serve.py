@@ -75,13 +75,18 @@ class Sample:
 # request is first scheduled (steering slots included); prefill runs from then to its first token.
 ENGINE_METRICS = {"engine TTFT": "vllm:time_to_first_token_seconds", "queue": "vllm:request_queue_time_seconds",
                   "prefill": "vllm:request_prefill_time_seconds"}
+# vllm-interp's own (vllm_interp/server/metrics.py): a capturing response's wait for its results after vLLM's
+# last output, and their preparation on the API server.
+RESULTS_METRICS = {"results wait": "vllm_interp:capture_results_wait_seconds",
+                   "results prepare": "vllm_interp:capture_results_prepare_seconds"}
+SERVER_METRICS = {**ENGINE_METRICS, **RESULTS_METRICS}
 
 
 @dataclass
 class RunStats:
     samples: list[Sample]
     wall_s: float
-    engine_ms: dict[str, float] = field(default_factory=dict)  # ENGINE_METRICS' mean per request of the run
+    engine_ms: dict[str, float] = field(default_factory=dict)  # SERVER_METRICS' mean per request of the run
 
     @property
     def ok(self) -> list[Sample]:
@@ -166,7 +171,7 @@ def _client(url: str, bodies: list[dict[str, Any]], threads: int) -> list[Sample
 
 
 def histogram_sums(url: str) -> dict[str, tuple[float, float]]:
-    """ENGINE_METRICS' (sum, count) on the server now."""
+    """SERVER_METRICS' (sum, count) on the server now (zeros for those it does not serve)."""
     parts = urlsplit(url)
     connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
     try:
@@ -174,14 +179,14 @@ def histogram_sums(url: str) -> dict[str, tuple[float, float]]:
         text = connection.getresponse().read().decode()
     finally:
         connection.close()
-    totals = {name: [0.0, 0.0] for name in ENGINE_METRICS.values()}
+    totals = {name: [0.0, 0.0] for name in SERVER_METRICS.values()}
     for line in text.splitlines():
         series, _, value = line.rpartition(" ")
         name = series.split("{", 1)[0]
         for suffix, index in (("_sum", 0), ("_count", 1)):
             if name.endswith(suffix) and name[: -len(suffix)] in totals:
                 totals[name[: -len(suffix)]][index] += float(value)
-    return {label: tuple(totals[name]) for label, name in ENGINE_METRICS.items()}
+    return {label: tuple(totals[name]) for label, name in SERVER_METRICS.items()}
 
 
 def run_requests(url: str, bodies: list[dict[str, Any]], concurrency: int) -> RunStats:
@@ -198,7 +203,7 @@ def run_requests(url: str, bodies: list[dict[str, Any]], concurrency: int) -> Ru
     after = histogram_sums(url)
     samples = [results[i % processes][i // processes] for i in range(len(bodies))]  # back in request order
     engine_ms = {label: 1000 * (after[label][0] - before[label][0]) / count
-                 for label in ENGINE_METRICS if (count := after[label][1] - before[label][1]) > 0}
+                 for label in SERVER_METRICS if (count := after[label][1] - before[label][1]) > 0}
     return RunStats(samples, wall_s, engine_ms)
 
 

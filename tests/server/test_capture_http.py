@@ -26,8 +26,14 @@ def _stats_lines(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def _metric_count(url: str, name: str) -> float:
+    text = requests.get(f"{url}/metrics", timeout=30).text
+    return sum(float(line.rpartition(" ")[2]) for line in text.splitlines() if line.startswith(f"{name}_count"))
+
+
 def test_capture_results_come_back_with_the_completion(server, server_dirs):
     client, model = _client(server[0])
+    waits = [_metric_count(server[0], f"vllm_interp:capture_results_{stage}_seconds") for stage in ("wait", "prepare")]
     hooks = {"post_block": [5, 20]}
     capture = {
         "inline": {"hooks": hooks, "positions": "all_prompt"},
@@ -48,6 +54,9 @@ def test_capture_results_come_back_with_the_completion(server, server_dirs):
     assert meta["positions"] == readout.positions
     for name, tensor in tensors.items():
         torch.testing.assert_close(tensor, readout[name], rtol=0, atol=0)
+    # The wait for the results is on /metrics beside vLLM's own.
+    assert [_metric_count(server[0], f"vllm_interp:capture_results_{stage}_seconds")
+            for stage in ("wait", "prepare")] == [count + 1 for count in waits]
 
     # The third-party consumer: the request's own spec replaces the server's global one for that consumer.
     (line,) = [line for line in _stats_lines(server_dirs["stats"]) if line["note"] == "from http"]

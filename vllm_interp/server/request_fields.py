@@ -26,6 +26,7 @@ deeply, is a 400 naming ``body``, never a 500); one that carries our fields is h
 """
 
 import json
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +49,7 @@ from vllm_interp.patching.spec import PatchError, PatchSpec
 from vllm_interp.patching.tables import PATCH_RESULT
 from vllm_interp.request_args import EXTRA_ARGS_KEY, HTTP_PAYLOAD
 from vllm_interp.server.bodies import BodyError, limits_of, parse_json, too_large
+from vllm_interp.server.metrics import RESULTS_PREPARE, RESULTS_WAIT
 from vllm_interp.server.protocol import STEERING_FIELDS, InterpRequestFields, error_body
 from vllm_interp.steering.vectors import SteeringError
 
@@ -248,11 +250,16 @@ async def _collect(state: Any, prepared: PreparedRequest,
     length = int(usage.get("prompt_tokens", 0)) + int(usage.get("completion_tokens", 0))
     frontend: InterpFrontend = state.vllm_interp_frontend
     collector = frontend.collector({prepared.key: length}, {prepared.key: prepared})
+    started = time.monotonic()
     await state.vllm_interp_results.collect(collector)
+    collected = time.monotonic()
     results = frontend.merged(collector)[prepared.key]
     patch = results.pop(PATCH_RESULT, None)
-    return {name: result_to_json(result, frontend.consumers[name].result_to_json)
-            for name, result in results.items()}, patch
+    capture = {name: result_to_json(result, frontend.consumers[name].result_to_json)
+               for name, result in results.items()}
+    RESULTS_WAIT.observe(collected - started)
+    RESULTS_PREPARE.observe(time.monotonic() - collected)
+    return capture, patch
 
 
 def check_capture_size(state: Any, spec: CaptureSpec, prompt: Any, max_tokens: int | None,
