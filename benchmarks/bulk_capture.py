@@ -4,8 +4,9 @@ requests that capture nothing.
     python -m benchmarks.bulk_capture MODEL --out FILE.md [--concurrency 64] [--prompt-tokens 256]
         [--max-tokens 256] [--rounds 2] [--isolation process|thread] [--server-arg=--enforce-eager ...]
 
-One server with the ``logging`` consumer and the ``filesystem`` consumer (``layout=sharded``), each in its own
-process (their default isolation; ``--isolation thread`` runs them on worker threads instead, for comparison).
+One server with the ``logging`` consumer and the ``filesystem`` consumer (``layout=sharded``), each where it
+runs by default (``logging`` on a worker thread, ``filesystem`` in its own process; ``--isolation`` puts both
+in one place, for comparison).
 Every round runs, with the same number of fresh prompts each:
 ``plain`` (no capture: the baseline), ``logging`` (every position, ``post_block`` of every layer, to the
 logging consumer), ``plain_after`` (sent the moment the burst's last stream ends, while its consumer may still
@@ -120,7 +121,7 @@ def report(args: argparse.Namespace, phases: list[Phase], rates: list[tuple[floa
              f"- Per phase: {args.requests} streaming requests at concurrency {args.concurrency}, "
              f"{args.prompt_tokens} random prompt tokens, {args.max_tokens} generated (ignore_eos), greedy",
              f"- Capture: `{json.dumps(EVERY_TOKEN)}` to `logging:level=debug` and to `filesystem` "
-             f"(`layout=sharded`), both with `isolation={args.isolation}`",
+             f"(`layout=sharded`), isolation {args.isolation or 'each its default'}",
              f"- Server args: `{' '.join(args.server_arg)}`; started {started}; {wall_s:.0f} s", "",
              "(last gap: the median wait for a stream's last text chunk, which a capturing stream holds until the "
              "request's capture results come; TPOT includes it. Results wait / prepare: the server's mean per "
@@ -168,7 +169,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--isolation", choices=("process", "thread"), default="process")
+    parser.add_argument("--isolation", choices=("process", "thread"), help="both consumers' (default: each its own)")
     parser.add_argument("--disk-mb", type=int, default=2048, help="bytes per disk-rate round")
     parser.add_argument("--server-arg", action="append", default=[], help="passed to the server (repeatable)")
     parser.add_argument("--start-timeout", type=float, default=600)
@@ -181,10 +182,11 @@ def main() -> None:
     root = workdir / "captures"
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     began = time.monotonic()
+    isolation = f",isolation={args.isolation}" if args.isolation else ""
     url, server = launch_server(
         [args.model, "--max-model-len", str(args.prompt_tokens + args.max_tokens + 16), *args.server_arg,
-         "--capture-consumers", f"logging:level=debug,isolation={args.isolation}",
-         "--capture-consumers", f"filesystem:root={root},layout=sharded,isolation={args.isolation}"],
+         "--capture-consumers", f"logging:level=debug{isolation}",
+         "--capture-consumers", f"filesystem:root={root},layout=sharded{isolation}"],
         workdir / "server.log", None, VLLM_INTERP_MODULE)
     phases: list[Phase] = []
     try:

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -157,11 +158,58 @@ def test_sharded_rolls_over_before_a_shard_would_pass_its_limit(tmp_path):
         ("shard-00000.safetensors", True),
         ("shard-00001.safetensors", True),
     ]
+    consumer.wait_written()  # the full shard went to the writer thread
     assert list_captures(tmp_path) == ["r0", "r1"]
     consumer.shard_bytes = one // 2
-    big = consumer.consume(make_capture(request_id="big"))
-    assert (big["shard"], big["pending"]) == ("shard-00002.safetensors", False)
+    big = consumer.consume(make_capture(request_id="big"))  # fills a shard alone: r2's shard goes first
+    assert big["shard"] == "shard-00002.safetensors"
+    consumer.wait_written()
     assert list_captures(tmp_path) == ["big", "r0", "r1", "r2"]
+
+
+def test_a_shard_is_written_while_the_next_one_fills(tmp_path, monkeypatch):
+    consumer = make_consumer(tmp_path, layout="sharded")
+    consumer.shard_bytes = make_capture().nbytes  # every request fills a shard
+    release, writing = threading.Event(), threading.Event()
+    real = filesystem._publish
+
+    def slow_publish(path, write):
+        writing.set()
+        assert release.wait(30)
+        real(path, write)
+
+    monkeypatch.setattr(filesystem, "_publish", slow_publish)
+    consumer.consume(make_capture(request_id="r0"))
+    assert writing.wait(30)
+    taken = threading.Thread(target=consumer.consume, args=(make_capture(request_id="r1", seed=1),))
+    taken.start()
+    time.sleep(0.2)
+    # r1 waits for r0's shard (one shard in the writer), not for its own.
+    assert taken.is_alive() and list_captures(tmp_path) == []
+    release.set()
+    taken.join(30)
+    consumer.close()
+    assert list_captures(tmp_path) == ["r0", "r1"]
+
+
+def test_a_failed_background_shard_fails_the_request_that_finds_it_and_is_retried(tmp_path, monkeypatch):
+    consumer = make_consumer(tmp_path, layout="sharded")
+    consumer.shard_bytes = make_capture().nbytes
+    real_fsync = os.fsync
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    assert consumer.consume(make_capture(request_id="r0"))["pending"]
+    with pytest.raises(OSError, match="No space left"):
+        consumer.consume(make_capture(request_id="r1", seed=1))
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    assert temp_files(tmp_path) == [] and list_captures(tmp_path) == []
+    consumer.consume(make_capture(request_id="r2", seed=2))
+    consumer.close()
+    assert list_captures(tmp_path) == ["r0", "r2"]
+    assert_same_tensors(read_capture(tmp_path, "r0")[0], make_capture(request_id="r0"))
 
 
 @pytest.mark.parametrize("layout", ["packed", "per_file", "sharded"])

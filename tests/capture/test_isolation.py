@@ -154,8 +154,10 @@ def test_a_child_whose_worker_is_gone_publishes_its_buffered_shard(tmp_path):
 
 
 def test_isolation_defaults_and_option():
-    setups = configure_consumers(("logging", "inline", "filesystem:root=/tmp/x,isolation=thread"))
-    assert [s.isolation for s in setups.values()] == ["process", "thread", "thread"]
+    setups = configure_consumers(("logging", "inline", "filesystem:root=/tmp/x"))
+    assert [s.isolation for s in setups.values()] == ["thread", "thread", "process"]
+    setups = configure_consumers(("logging:isolation=process", "filesystem:root=/tmp/x,isolation=thread"))
+    assert [s.isolation for s in setups.values()] == ["process", "thread"]
     assert "isolation" not in setups["filesystem"].options
     with pytest.raises(ValueError, match="--capture-consumers logging: isolation: expected one of thread, process"):
         configure_consumers(("logging:isolation=fork",))

@@ -10,11 +10,13 @@ Layouts (``layout``; a request may override it and ``on_collision`` in its spec)
 - ``packed``: ``<root>/<base>.safetensors`` (one tensor per site) and the sidecar ``<root>/<base>.json``.
 - ``sharded``: requests are buffered in memory and written together to ``<root>/shards/shard-NNNNN.safetensors``
   (tensors ``<base>/<site>``) when the next request would push the shard past ``shard_mb`` MiB (a request that
-  alone fills a shard is written at once), and at ``close()``; one JSON line per request (the metadata plus
-  ``shard``) is then appended to ``<root>/shards/index.jsonl``; the last line of a base wins.
-  ``consume`` returns ``pending: true`` while the request is only in memory: its data is durable once its shard
-  is published and its index line appended (at a later rollover or at ``close()``), and is lost if the process
-  dies before that.
+  alone fills a shard is handed on at once), and at ``close()``; one JSON line per request (the metadata plus
+  ``shard``) is then appended to ``<root>/shards/index.jsonl``; the last line of a base wins. A full shard is
+  written by a thread of its own while the next one fills (so two shards' rows may be in memory).
+  ``consume`` returns ``pending: true``: its data is durable once its shard is published and its index line
+  appended (by the writer, after a later rollover, or at ``close()``), and is lost if the process dies before
+  that. A shard whose publish fails keeps its requests for the next one, and the request whose rollover
+  found the failure gets the error.
 
 The metadata (``CaptureMeta.to_json()`` plus ``base``, ``layout`` and ``shape``) is the sidecar / index line, and
 is also stored as JSON in each safetensors header under the key ``vllm_interp`` (a shard stores its requests').
@@ -33,6 +35,7 @@ import re
 import secrets
 import struct
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -87,6 +90,10 @@ class FilesystemConsumer(CaptureConsumer):
         _make_dirs(self.root)
         self._pending: dict[str, _Pending] = {}
         self._next_shard = _next_shard_number(self.root / SHARD_DIR)
+        # A full shard is published on a thread of its own while the next one fills (its writes and syncs
+        # release the interpreter lock), so taking requests never waits for the disk: one shard in the writer.
+        self._writer: ThreadPoolExecutor | None = None
+        self._writing: tuple[Future, dict[str, _Pending]] | None = None  # (its publish, its requests)
 
     @classmethod
     def validate_engine_options(cls, options: dict[str, str]) -> dict[str, Any]:
@@ -123,6 +130,22 @@ class FilesystemConsumer(CaptureConsumer):
     def close(self) -> None:
         """Publish the shard still in memory; if that fails the buffer is kept, so a second close can retry."""
         self._flush()
+        self.wait_written()
+        if self._writer is not None:
+            self._writer.shutdown()
+            self._writer = None
+
+    def wait_written(self) -> None:
+        """Wait until the shard handed to the writer is published. If its publish failed, its requests go back
+        to the front of the buffer (the next shard, or a second close, retries them) and the error is raised."""
+        if self._writing is None:
+            return
+        (publish, batch), self._writing = self._writing, None
+        try:
+            publish.result()
+        except BaseException:
+            self._pending = {**batch, **self._pending}
+            raise
 
     # -- placement and collisions ------------------------------------------------------------------------------
 
@@ -247,7 +270,7 @@ class FilesystemConsumer(CaptureConsumer):
             "layout": "sharded",
             "base": base,
             "shard": shard.name,
-            "pending": base in self._pending,
+            "pending": True,  # in the buffer, or in the writer's hands: durable once its index line is appended
             "path": str(shard),
             "files": [str(shard)],
             "bytes": nbytes,
@@ -258,16 +281,26 @@ class FilesystemConsumer(CaptureConsumer):
         return sum(p.nbytes for p in self._pending.values())
 
     def _flush(self) -> None:
+        """Hand the buffered requests to the writer as the next shard, once the shard before it is published
+        (raising, with its requests back in the buffer, if that failed)."""
+        self.wait_written()
         if not self._pending:
             return
         shard = _shard_path(self.root, self._next_shard)
-        _make_dirs(shard.parent)
-        tensors = {f"{base}/{site}": t for base, p in self._pending.items() for site, t in p.tensors.items()}
-        records = [{**p.meta, "shard": shard.name} for p in self._pending.values()]
-        _publish(shard, _safetensors_writer(tensors, {"layout": "sharded", "requests": records}))
         self._next_shard += 1
-        self._pending.clear()
-        _append_lines(shard.parent / INDEX_NAME, records)
+        batch, self._pending = self._pending, {}
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="vllm-interp-shard-writer")
+        self._writing = (self._writer.submit(_publish_shard, shard, batch), batch)
+
+
+def _publish_shard(shard: Path, batch: dict[str, _Pending]) -> None:
+    """Publish one shard of requests, then append their index lines (the lines declare complete data)."""
+    _make_dirs(shard.parent)
+    tensors = {f"{base}/{site}": t for base, p in batch.items() for site, t in p.tensors.items()}
+    records = [{**p.meta, "shard": shard.name} for p in batch.values()]
+    _publish(shard, _safetensors_writer(tensors, {"layout": "sharded", "requests": records}))
+    _append_lines(shard.parent / INDEX_NAME, records)
 
 
 # -- naming ------------------------------------------------------------------------------------------------------
