@@ -2,9 +2,11 @@
 
 Rows are kept by absolute position, so chunked prefill spreads a request's rows over steps and a preempted
 request that is recomputed overwrites the positions it already had: consumers see each position once. A
-request is finalized either when the caller asks for its results (``results``, by capture key, with the
-final sequence length) or when the scheduler reports it finished (``finish``: aborts, streaming requests,
-global captures); whichever comes first.
+request ends either when the caller asks for its results (``results``, by capture key, with the final
+sequence length) or when the scheduler reports it finished (``finish``: aborts, streaming requests, global
+captures); whichever comes first. It is then finalized (handed to its consumers) as soon as the copies of
+its steps have landed in host memory, which the forward thread never waits for: a copier behind by a
+second of whole rows would otherwise stall every request of the engine at each finish (measured on an H100).
 """
 
 import logging
@@ -51,6 +53,8 @@ class _Entry:
     # large copies); a recomputed position, after preemption, appears again (see ``CaptureStore._file``).
     chunks: list["_Chunk"] = field(default_factory=list)
     num_computed: int = 0
+    last_step: int = -1  # the serial of the last step that read its rows (``CaptureStore.collect``)
+    final_length: int | None = None  # the sequence length its caller gave, once it ended (``results``)
 
     @cached_property
     def last_position(self) -> int | None:
@@ -166,6 +170,9 @@ class CaptureStore:
         self._by_key: dict[str, str] = {}
         self._results: dict[str, dict[str, Future]] = {}
         self._pending: list[_StepRows] = []
+        self._collected = 0  # steps collected so far; the next one's serial
+        self._filed = 0  # steps filed so far: every step with a smaller serial has landed
+        self._ending: dict[str, _Entry] = {}  # ended, waiting for the copies of their steps to land
         self._armed_rows: torch.Tensor | None = None  # graph read buffer entries the last step set
         self._armed_sites: frozenset[tuple[int, int]] = frozenset()  # the sites the graph read flags name
         self._copier: HostCopier | None = None  # device -> host copies of read rows, started on first use
@@ -295,6 +302,9 @@ class CaptureStore:
         splits = plan.splits()
         # A request finalized since the step was planned files nothing (``_file``).
         entries = [entry for req_id in plan.req_ids if (entry := self._entries.get(req_id)) is not None]
+        for entry in entries:
+            entry.last_step = self._collected
+        self._collected += 1
         # Whole rows leave the device only when some request takes them; summaries are reduced here, on it.
         rows = to_host(block, splits, self._host_copier) if any(e.wants_rows for e in entries) else None
         reductions = frozenset().union(*(e.reductions for e in entries))
@@ -331,46 +341,57 @@ class CaptureStore:
             self._file(step)
             filed += 1
         del self._pending[:filed]
+        self._filed += filed
+        landed = [req_id for req_id, entry in self._ending.items() if entry.last_step < self._filed]
+        for req_id in landed:
+            entry = self._ending.pop(req_id)
+            self._finalize(entry, entry.final_length)
 
     def _file(self, step: _StepRows) -> None:
         """File a landed step under each request that read in it. Large copies were split per request by the
         copier: each request takes its own parts and the step lets go of them, so a long request never keeps
         the others' rows alive. Small ones stay with the step, read as views when a request's rows are gathered:
         filing an every-token step of small summaries costs one tuple per request."""
-        entries, large = self._entries, step.hand_out()
+        entries, ending, large = self._entries, self._ending, step.hand_out()
         for k, req_id in enumerate(step.plan.req_ids):
-            entry = entries.get(req_id)
+            entry = entries.get(req_id) or ending.get(req_id)
             if entry is not None and entry.sites:
                 entry.chunks.append((step, k, {key: copy.part(k) for key, copy in large.items()} if large else None))
 
     # -- finishing --------------------------------------------------------------------------------------
     def finish(self, finished_req_ids: set[str]) -> None:
-        """The scheduler reported these requests finished (normally or aborted)."""
+        """The scheduler reported these requests finished (normally or aborted): each is finalized once its
+        steps' copies have landed (now, or as later steps are collected or its results asked for)."""
         if not finished_req_ids:
             return
-        self._drain(needed=finished_req_ids)
         for req_id in finished_req_ids:
             entry = self._entries.pop(req_id, None)
-            self._live.discard(req_id)
-            self._reading.discard(req_id)
             if entry is not None:
-                self._finalize(entry, None)
+                self._end(entry, None)
+        self._drain(needed=())
+
+    def _end(self, entry: _Entry, length: int | None) -> None:
+        self._live.discard(entry.req_id)
+        self._reading.discard(entry.req_id)
+        entry.final_length = length
+        self._ending[entry.req_id] = entry
 
     def results(self, lengths: dict[str, int], wait_s: float) -> dict[str, dict[str, dict[str, Any]]]:
         """Results of the requests with these capture keys (``lengths``: key -> final sequence length).
 
-        Finalizes requests not finalized yet, waits up to ``wait_s`` for their consumers, and returns (and
-        forgets) the results of those whose consumers all finished; the caller asks again for the rest.
+        Ends requests not ended yet, finalizes those whose rows have landed (waiting for the copies only when
+        ``wait_s`` allows), waits up to ``wait_s`` for their consumers, and returns (and forgets) the results
+        of those whose consumers all finished; the caller asks again for the rest.
         """
-        self._drain(needed={self._by_key.get(key) for key in lengths})
         for key, length in lengths.items():
             req_id = self._by_key.get(key)
             entry = self._entries.get(req_id) if req_id is not None else None
             if entry is not None:
                 self._entries[req_id] = None
-                self._live.discard(req_id)
-                self._reading.discard(req_id)
-                self._finalize(entry, length)
+                self._end(entry, length)
+        # A caller that may wait (offline) waits for the copies too; the API server's polls (no wait) run
+        # between the engine's steps and take only what has landed.
+        self._drain(needed={self._by_key.get(key) for key in lengths} if wait_s > 0 else ())
         asked = [f for key in lengths for f in self._results.get(key, {}).values()]
         if wait_s > 0:
             wait(asked, timeout=wait_s)
@@ -378,8 +399,9 @@ class CaptureStore:
         for key in lengths:
             futures = self._results.get(key)
             if futures is None:
-                # Never seen here: the request never ran a step on this worker, or this rank captures nothing.
-                done[key] = {}
+                if self._by_key.get(key) not in self._ending:
+                    # Never seen here: the request never ran a step on this worker, or this rank captures nothing.
+                    done[key] = {}
                 continue
             if all(f.done() for f in futures.values()):
                 del self._results[key]
@@ -451,6 +473,7 @@ class CaptureStore:
         return self.consumers[name].submit(rows, base)
 
     def close(self) -> None:
+        self._drain()  # every ended request reaches its consumers before they close
         for runner in self.consumers.values():
             runner.close()
 
