@@ -9,7 +9,8 @@ runs by default (``logging`` on a worker thread, ``filesystem`` in its own proce
 in one place, for comparison).
 Every round runs, with the same number of fresh prompts each:
 ``plain`` (no capture: the baseline), ``logging`` (every position, ``post_block`` of every layer, to the
-logging consumer), ``plain_after`` (sent the moment the burst's last stream ends, while its consumer may still
+logging consumer), ``logging_packed`` (the same, its statistics returned as one base64 float32 block instead
+of JSON lists), ``plain_after`` (sent the moment the burst's last stream ends, while its consumer may still
 work through the backlog), ``sink`` (the same capture to the sharded filesystem layout), ``plain_after_sink``.
 Reported: throughput and TPOT of each phase against ``plain`` of the same round, TTFT of the plain phases after
 a burst against the one before it, the bytes of rows each capturing phase captured and their rate, the sink's
@@ -36,8 +37,11 @@ from benchmarks.serving import VLLM_INTERP_MODULE, launch_server, server_rss_mb,
 from vllm_interp.capture.consumer import CaptureMeta, ConsumerContext, RequestCapture
 from vllm_interp.capture.consumers.filesystem import FilesystemConsumer
 
-PHASES = ("plain", "logging", "plain_after", "sink", "plain_after_sink")
+PHASES = ("plain", "logging", "logging_packed", "plain_after", "sink", "plain_after_sink")
 EVERY_TOKEN = {"hooks": {"post_block": "all"}, "positions": "all"}
+# Each capturing phase's ``capture`` field.
+CAPTURES = {"logging": {"logging": EVERY_TOKEN}, "logging_packed": {"logging": {**EVERY_TOKEN, "format": "packed"}},
+            "sink": {"filesystem": EVERY_TOKEN}}
 
 
 @dataclass
@@ -196,16 +200,16 @@ def main() -> None:
         watch.start()
         rng = torch.Generator().manual_seed(0)
 
-        def body(capture: str | None) -> dict[str, Any]:
+        def body(capture: dict[str, Any] | None) -> dict[str, Any]:
             prompt = torch.randint(100, vocab - 100, (args.prompt_tokens,), generator=rng).tolist()
-            fields = {"capture": {capture: EVERY_TOKEN}} if capture else {}
+            fields = {"capture": capture} if capture else {}
             return {"model": args.model, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0,
                     "ignore_eos": True, "stream": True, **fields}
 
         run_requests(url, [body(None) for _ in range(2)], 2)  # one-off costs of the first requests
         for round_index in range(args.rounds):
             for name in PHASES:
-                capture = {"logging": "logging", "sink": "filesystem"}.get(name)
+                capture = CAPTURES.get(name)
                 stats = run_requests(url, [body(capture) for _ in range(args.requests)], args.concurrency)
                 # Every position but the last generated one goes through the model, at every layer.
                 rows = len(stats.ok) * (args.prompt_tokens + args.max_tokens - 1) * layers if capture else 0

@@ -121,6 +121,13 @@ def test_logging_consumer_reports_row_statistics(smollm2_llm, prompt_ids):
     stats = out.capture["logging"].result["stats"]["12.post_attn"]
     norms = out.residuals["12.post_attn"].norm(dim=-1)
     torch.testing.assert_close(torch.tensor(stats["norm"]), norms, rtol=1e-5, atol=1e-4)
+    # The packed format carries the same numbers as one [sites, positions, statistics] tensor.
+    capture["logging"]["format"] = "packed"
+    (packed,) = smollm2_llm.generate([{"prompt_token_ids": prompt_ids[2]}], _greedy(), capture=capture,
+                                     use_tqdm=False)
+    result = packed.capture["logging"].result
+    assert result["sites"] == ["12.post_attn"] and result["statistics"][0] == "norm"
+    torch.testing.assert_close(result["stats"][0, :, 0], torch.tensor(stats["norm"]), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("positions", ["all", "all_generated"])

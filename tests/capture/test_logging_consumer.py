@@ -1,9 +1,12 @@
 """The logging consumer: statistics reduced from the rows (as the worker does on the device), logged and
 returned."""
 
+import base64
+import json
 import logging
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -149,7 +152,44 @@ def test_bad_engine_options_name_the_option(options, field):
         LoggingConsumer.validate_engine_options(options)
 
 
-def test_request_options_are_rejected():
+def test_request_options_are_the_format_only():
     assert LoggingConsumer.validate_options({}, EngineFacts(8)) == {}
+    assert LoggingConsumer.validate_options({"format": "packed"}, EngineFacts(8)) == {"format": "packed"}
     with pytest.raises(ValueError, match="^note: "):
         LoggingConsumer.validate_options({"note": "x"}, EngineFacts(8))
+    with pytest.raises(ValueError, match="^format: expected one of lists, packed"):
+        LoggingConsumer.validate_options({"format": "csv"}, EngineFacts(8))
+
+
+def packed_capture(positions: list[int], sites: list[str] = SITES) -> RequestCapture:
+    capture = make_capture(positions)
+    meta = replace(capture.meta, sites=sites, options={"format": "packed"})
+    return RequestCapture(meta, {site: capture.tensors[site] for site in sites})
+
+
+def test_packed_format_is_the_lists_as_one_tensor():
+    consumer = ReducingConsumer()
+    lists = consumer.consume(make_capture([1, 2, 3]))
+    packed = consumer.consume(packed_capture([1, 2, 3]))
+    assert (packed["rows"], packed["sites"], packed["statistics"]) == (lists["rows"], SITES, list(STATS))
+    assert packed["stats"].shape == (len(SITES), 3, len(STATS)) and packed["stats"].dtype == torch.float32
+    for i, site in enumerate(SITES):
+        assert packed["stats"][i].T.tolist() == [lists["stats"][site][key] for key in STATS]
+
+
+def test_packed_format_over_http_is_base64_of_the_float32_block():
+    packed = ReducingConsumer().consume(packed_capture([1, 2]))
+    body = json.loads(json.dumps(LoggingConsumer.result_to_json(packed)))
+    assert body["stats"]["dtype"] == "float32" and body["stats"]["shape"] == [len(SITES), 2, len(STATS)]
+    block = np.frombuffer(base64.b64decode(body["stats"]["data"]), dtype="<f4").reshape(body["stats"]["shape"])
+    assert np.array_equal(block, packed["stats"].numpy())
+    assert LoggingConsumer.result_to_json({"rows": 0, "stats": {}}) == {"rows": 0, "stats": {}}  # lists as they are
+
+
+def test_packed_pipeline_stages_merge_by_site():
+    consumer = ReducingConsumer()
+    whole = consumer.consume(packed_capture([2, 3]))
+    merged = LoggingConsumer.merge_results([consumer.consume(packed_capture([2, 3], SITES[:1])),
+                                            consumer.consume(packed_capture([2, 3], SITES[1:]))])
+    assert merged["sites"] == SITES and merged["rows"] == whole["rows"]
+    assert torch.equal(merged["stats"], whole["stats"])

@@ -22,7 +22,8 @@ from vllm_interp.steering.vectors import ModelShape
 USAGE = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
 # The logging consumer's result as a worker sends it (statistics packed), and as the client receives it.
 WIRE_RESULT = {"status": "ok", "message": None, "rows": 1, "dropped": 0, "spilled": 0,
-               "result": {"rows": 1, "sites": ["1.post_block"], "stats": pack(torch.ones(1, 1, len(STATS)))}}
+               "result": {"rows": 1, "sites": ["1.post_block"], "stats": pack(torch.ones(1, 1, len(STATS))),
+                          "format": "lists"}}
 RESULT = {**WIRE_RESULT, "result": {"rows": 1, "stats": {"1.post_block": {key: [1.0] for key in STATS}}}}
 REQUEST = {"prompt": "x", "max_tokens": 2, "stream": True, "capture": {"logging": {"hooks": {"post_block": [1]}}}}
 DONE = b"data: [DONE]\n\n"

@@ -22,6 +22,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 MAX_BYTES_IN_FLIGHT = 1 << 30
@@ -66,6 +67,10 @@ class HostCopy:
         assert self.parts is not None
         return self.parts[i]
 
+    def array_part(self, i: int) -> np.ndarray:
+        """``part(i)`` as an array sharing its memory (``as_array``)."""
+        return as_array(self.part(i))
+
 
 class PinnedCopy:
     """A small block copied by the forward thread into pinned memory without waiting; ``wait`` lands it in
@@ -79,6 +84,7 @@ class PinnedCopy:
         self._event = torch.cuda.Event()
         self._event.record()
         self._host: torch.Tensor | None = None
+        self._array: np.ndarray | None = None  # the same memory, for slicing at numpy's cost
 
     def done(self) -> bool:
         return self._host is not None or self._event.query()
@@ -87,11 +93,27 @@ class PinnedCopy:
         if self._host is None:
             self._event.synchronize()
             self._host, self._pinned = self._pinned.clone(), None
+            self._array = as_array(self._host)
 
     def part(self, i: int) -> torch.Tensor:
         assert self._host is not None
         start, stop = self.splits[i]
         return self._host[:, start:stop]
+
+    def array_part(self, i: int) -> np.ndarray:
+        """``part(i)`` as an array: a request's rows are gathered from one such view per step it read in, and
+        slicing a tensor costs several microseconds to an array's fraction of one."""
+        assert self._array is not None
+        start, stop = self.splits[i]
+        return self._array[:, start:stop]
+
+
+def as_array(tensor: torch.Tensor) -> np.ndarray:
+    """A CPU tensor as a numpy array sharing its memory; a dtype numpy lacks (bfloat16) as same-width integers,
+    which is all that copying rows needs."""
+    if tensor.dtype == torch.bfloat16:
+        tensor = tensor.view(torch.int16)
+    return tensor.numpy()
 
 
 def to_host(block: torch.Tensor, splits: list[tuple[int, int]],

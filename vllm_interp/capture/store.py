@@ -21,7 +21,7 @@ import torch
 
 from vllm_interp.capture.consumer import CaptureMeta, PendingCapture, RowReduction
 from vllm_interp.capture.dispatch import ConsumerRunner
-from vllm_interp.capture.host_copies import HostCopier, HostCopy, PinnedCopy, to_host
+from vllm_interp.capture.host_copies import HostCopier, HostCopy, PinnedCopy, as_array, to_host
 from vllm_interp.capture.results import ConsumerResult
 from vllm_interp.capture.spec import CaptureSpec, spec_from_wire
 from vllm_interp.hooks import HOOK_INDEX, HOOKS, site_name
@@ -95,23 +95,25 @@ class _Entry:
 def _gather(chunks: list["_Chunk"], sites: list[tuple[int, int]], columns: list[int] | None,
             block: torch.Tensor, reduction: RowReduction | None) -> None:
     """Write ``sites`` x the chunks' ``columns`` (all, in order, when None) of their rows (or of their
-    ``reduction``) into ``block``: on a consumer's runner thread, off the forward path."""
+    ``reduction``) into ``block``: on a consumer's runner thread, off the forward path. An every-token request
+    has a chunk per step it ran in, so the per-chunk work is numpy views (``as_array``), not tensor ops."""
     if not block.numel():
         return  # no positions (or no sites) captured
-    picks: dict[tuple, torch.Tensor | None] = {}
+    picks: dict[tuple, np.ndarray | None] = {}
     parts = []
     for step, k, own in chunks:
         if step.sites not in picks:
             where = {site: i for i, site in enumerate(step.sites)}
             index = [where[site] for site in sites]
-            picks[step.sites] = None if index == list(range(len(step.sites))) else torch.tensor(index)
+            picks[step.sites] = None if index == list(range(len(step.sites))) else np.array(index)
         pick = picks[step.sites]
-        rows = own[reduction] if own is not None and reduction in own else step.copy(reduction).part(k)
-        parts.append(rows if pick is None else rows.index_select(0, pick))
+        rows = as_array(own[reduction]) if own is not None and reduction in own else step.copy(reduction).array_part(k)
+        parts.append(rows if pick is None else rows[pick])
+    out = as_array(block)
     if columns is None:
-        torch.cat(parts, dim=1, out=block)
+        np.concatenate(parts, axis=1, out=out)
     else:
-        torch.index_select(torch.cat(parts, dim=1), 1, torch.tensor(columns), out=block)
+        np.take(np.concatenate(parts, axis=1), columns, axis=1, out=out)
 
 
 @dataclass

@@ -7,19 +7,23 @@ per site (logger ``vllm_interp.capture.logging``) and returns the statistics as 
                                             "max": [...]}}}
 
 Every list has one float per captured position, in ``meta.positions`` order. ``std`` is the population
-standard deviation over the hidden dimension. The statistics are computed in float32 on the rows' device
+standard deviation over the hidden dimension. A request may ask for ``"format": "packed"`` instead (for
+harvesting: no float text to write or parse): ``{"rows", "sites", "statistics": STATS, "stats"}`` with
+``stats`` a ``[sites, positions, statistics]`` float32 tensor offline, over HTTP ``{"dtype", "shape",
+"data"}`` with the little-endian bytes in base64. The statistics are computed in float32 on the rows' device
 during each step (the consumer's ``row_reduction``): every-token capture to ``logging`` moves five floats
 per row off the GPU, not the row. They travel back packed (``capture.packed``: one buffer, not 41,000 Python
 floats for 512 positions at 16 sites) and become lists on the caller's side (``result_from_wire``).
 """
 
+import base64
 import logging
 import math
 from typing import Any, ClassVar
 
 import torch
 
-from vllm_interp.capture.consumer import CaptureConsumer, ConsumerContext, RequestCapture, RowReduction
+from vllm_interp.capture.consumer import CaptureConsumer, ConsumerContext, EngineFacts, RequestCapture, RowReduction
 from vllm_interp.capture.packed import pack, unpack
 
 logger = logging.getLogger("vllm_interp.capture.logging")
@@ -27,6 +31,7 @@ logger = logging.getLogger("vllm_interp.capture.logging")
 LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING}
 DEFAULT_OPTIONS: dict[str, Any] = {"level": "info", "max_positions": 16}
 STATS = ("norm", "mean", "std", "min", "max")
+FORMATS = ("lists", "packed")
 
 
 def row_statistics(rows: torch.Tensor) -> torch.Tensor:
@@ -88,6 +93,16 @@ class LoggingConsumer(CaptureConsumer):
             raise ValueError(f"max_positions: must be at least 1, got {max_positions}")
         return {"level": level, "max_positions": max_positions}
 
+    @classmethod
+    def validate_options(cls, options: dict[str, Any], engine: EngineFacts) -> dict[str, Any]:
+        """A request may set ``format`` (``lists``, the default, or ``packed``)."""
+        unknown = sorted(set(options) - {"format"})
+        if unknown:
+            raise ValueError(f"{unknown[0]}: unknown option (known: format)")
+        if options.get("format", "lists") not in FORMATS:
+            raise ValueError(f"format: expected one of {', '.join(FORMATS)}, got {options['format']!r}")
+        return dict(options)
+
     def consume(self, capture: RequestCapture) -> dict[str, Any]:
         meta = capture.meta
         # The formatting is the costly part for wide captures; skip it when the level is filtered out.
@@ -96,12 +111,16 @@ class LoggingConsumer(CaptureConsumer):
             for site, site_stats in capture:
                 logger.log(self.level, "%s %s: %s", head, site, self._format(meta.positions, site_stats))
         stats = torch.stack([capture.tensors[site] for site in meta.sites]) if meta.sites else torch.empty(0, 0, 0)
-        return {"rows": len(meta.positions) * len(meta.sites), "sites": meta.sites, "stats": pack(stats)}
+        return {"rows": len(meta.positions) * len(meta.sites), "sites": meta.sites, "stats": pack(stats),
+                "format": meta.options.get("format", "lists")}
 
     @classmethod
     def result_from_wire(cls, result: dict[str, Any]) -> dict[str, Any]:
-        """The packed ``[sites, positions, statistics]`` block as one list per statistic per site."""
+        """The packed ``[sites, positions, statistics]`` block as the request's format asks: one list per
+        statistic per site, or the tensor."""
         stats = unpack(result["stats"])
+        if result["format"] == "packed":
+            return {"rows": result["rows"], "sites": result["sites"], "statistics": list(STATS), "stats": stats}
         return {"rows": result["rows"],
                 "stats": {site: stats_lists(site_stats) for site, site_stats in zip(result["sites"], stats,
                                                                                      strict=True)}}
@@ -109,8 +128,19 @@ class LoggingConsumer(CaptureConsumer):
     @classmethod
     def merge_results(cls, results: list[dict[str, Any]]) -> dict[str, Any]:
         """Pipeline stages each return their own layers' sites: one result with all of them, in stage order."""
-        return {"rows": sum(r["rows"] for r in results),
-                "stats": {site: values for r in results for site, values in r["stats"].items()}}
+        rows = sum(r["rows"] for r in results)
+        if "sites" in results[0]:  # packed
+            return {"rows": rows, "sites": [site for r in results for site in r["sites"]],
+                    "statistics": list(STATS), "stats": torch.cat([r["stats"] for r in results])}
+        return {"rows": rows, "stats": {site: values for r in results for site, values in r["stats"].items()}}
+
+    @classmethod
+    def result_to_json(cls, result: dict[str, Any]) -> dict[str, Any]:
+        """Lists as they are; a packed result's tensor as ``{"dtype", "shape", "data"}`` (base64)."""
+        if "sites" not in result:
+            return result
+        packed = pack(result["stats"])
+        return {**result, "stats": {**packed, "data": base64.b64encode(packed["data"]).decode("ascii")}}
 
     def _format(self, positions: list[int], stats: torch.Tensor) -> str:
         if not positions:
