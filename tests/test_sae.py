@@ -147,7 +147,11 @@ def test_steering_by_feature_equals_transformers_steered_by_the_decoder_row(smol
     plain, hooked, named = smollm2_llm.generate([{"prompt_token_ids": prompt_ids[0]}] * 3,
                                                 [greedy(), by_hook, by_site])
     assert tokens_and_logprobs(hooked) != tokens_and_logprobs(plain)
-    assert tokens_and_logprobs(hooked) == tokens_and_logprobs(named)
+    # The two spellings steer alike; as different rows of one batch their logprobs may differ by kernel
+    # round-off (vLLM is not batch-invariant: 9e-6 seen once under CI load).
+    (hooked_tokens, hooked_logprobs), (named_tokens, named_logprobs) = map(tokens_and_logprobs, (hooked, named))
+    assert hooked_tokens == named_tokens
+    assert named_logprobs == pytest.approx(hooked_logprobs, abs=5e-5)
     steering = {("base", SAE_LAYER, "post_block"): w_dec[feature] * scale}
     assert_matches_reference(smollm2_reference, hooked, steering, "feature steering")
 
