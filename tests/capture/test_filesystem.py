@@ -147,6 +147,21 @@ def test_sharded_round_trip_is_published_at_close(tmp_path):
         assert meta == index[i]
 
 
+def test_sharded_buffers_a_copy_of_the_rows(tmp_path):
+    """A consumer in its own process receives rows in a shared block that is reused once ``consume`` returns:
+    what the sharded layout buffers must not be the caller's memory."""
+    consumer = make_consumer(tmp_path, layout="sharded")
+    consumer.shard_bytes = make_capture().nbytes  # every request fills a shard: buffers are reused
+    for i in range(4):
+        given = make_capture(request_id=f"r{i}", seed=i)
+        consumer.consume(given)
+        for tensor in given.tensors.values():
+            tensor.zero_()
+    consumer.close()
+    for i in range(4):
+        assert_same_tensors(read_capture(tmp_path, f"r{i}")[0], make_capture(request_id=f"r{i}", seed=i))
+
+
 def test_sharded_rolls_over_before_a_shard_would_pass_its_limit(tmp_path):
     consumer = make_consumer(tmp_path, layout="sharded")
     one = make_capture().nbytes

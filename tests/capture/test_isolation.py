@@ -12,7 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_interp.capture.consumer import CaptureMeta, ConsumerContext, PendingCapture, RequestCapture
+from vllm_interp.capture.consumer import (
+    CaptureConsumer,
+    CaptureMeta,
+    ConsumerContext,
+    PendingCapture,
+    RequestCapture,
+)
 from vllm_interp.capture.consumers.filesystem import FilesystemConsumer, list_captures, read_capture
 from vllm_interp.capture.consumers.logging import STATS, LoggingConsumer, row_statistics, stats_lists
 from vllm_interp.capture.dispatch import ConsumerRunner
@@ -47,6 +53,11 @@ def submit(runner: ConsumerRunner, rows: RequestCapture) -> ConsumerResult:
     return runner.submit(PendingCapture.of(rows), base).result(WAIT_S)
 
 
+def leftover_blocks(host: InProcess) -> set[str]:
+    """Shared blocks in the host's directory other than the spare ones it reuses."""
+    return {str(p) for p in host._dir.iterdir()} - {block.path for block in host._spare}
+
+
 def filesystem_options(root: Path, **extra) -> dict:
     return FilesystemConsumer.validate_engine_options({"root": str(root), **extra})
 
@@ -65,7 +76,7 @@ def test_logging_in_a_process_returns_what_it_returns_in_the_worker(dtype):
         # A request without rows travels without a shared block.
         assert LoggingConsumer.result_from_wire(submit(runner, summaries(capture("req-2", positions=0))).result) == {
             "rows": 0, "stats": {s: {key: [] for key in STATS} for s in SITES}}
-        assert not list(runner.host._dir.iterdir()), "a request's shared block outlived it"
+        assert not leftover_blocks(runner.host), "a request's shared block outlived it"
     finally:
         runner.close()
     assert not runner.host._dir.exists()
@@ -89,6 +100,56 @@ def test_filesystem_in_a_process_writes_and_reports_failures(tmp_path):
         runner.close()
 
 
+def test_blocks_are_reused_and_rows_are_never_stale():
+    options = LoggingConsumer.validate_engine_options({})
+    host = InProcess(LoggingConsumer, context("logging", **options))
+    try:
+        for depth in (1, PIPELINE_DEPTH):  # one request at a time, then as many in flight as the host allows
+            requests = [summaries(capture(f"req-{depth}-{i}" + "x" * i, positions=3 + i)) for i in range(8)]
+            futures, used = [], set()
+            for rows in requests:
+                futures.append(host.submit(PendingCapture.of(rows)))
+                used |= {block.path for _, _, block in host._in_flight}
+                if depth == 1:
+                    host.settle()
+            host.settle()
+            for rows, future in zip(requests, futures, strict=True):
+                stats = LoggingConsumer.result_from_wire(future.result())["stats"]
+                assert stats == {s: stats_lists(rows.tensors[s]) for s in SITES}
+            assert len(used) <= depth, "a block per request instead of reused ones"
+            assert not leftover_blocks(host)
+    finally:
+        host.close()
+
+
+class KeepingConsumer(CaptureConsumer):
+    """Keeps every request's tensors past ``consume`` and reports the sums of all it kept."""
+
+    def __init__(self, context: ConsumerContext) -> None:
+        super().__init__(context)
+        self.kept: list[torch.Tensor] = []
+
+    def consume(self, capture: RequestCapture) -> dict:
+        self.kept.append(capture.tensors[SITES[0]])
+        return {"sums": [float(t.sum()) for t in self.kept]}
+
+
+def test_a_consumer_that_keeps_rows_keeps_them_intact():
+    """The child sees that the consumer still holds the block, and the worker gives that block up."""
+    host = InProcess(KeepingConsumer, context("keeping"))
+    try:
+        requests = [capture(f"req-{i}" + "x" * i) for i in range(4)]
+        sums = []
+        for rows in requests:
+            future = host.submit(PendingCapture.of(rows))
+            host.settle()
+            sums.append(float(rows.tensors[SITES[0]].sum()))
+            assert future.result()["sums"] == pytest.approx(sums, rel=1e-6)
+            assert not host._spare and not list(host._dir.iterdir())
+    finally:
+        host.close()
+
+
 def test_a_constructor_error_fails_at_start_naming_the_consumer(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
@@ -108,7 +169,7 @@ def test_a_dead_child_fails_later_requests_and_the_runner_goes_on():
         failed = submit(runner, summaries(capture("req-2")))
         assert failed.status == "error" and failed.dropped == 10
         assert "capture consumer logging: its process exited (-9) while consuming request req-2" in failed.message
-        assert not list(runner.host._dir.iterdir())
+        assert not leftover_blocks(runner.host)
     finally:
         with pytest.raises(RuntimeError, match="its process exited"):
             runner.close()
@@ -123,7 +184,7 @@ def test_requests_are_handed_on_before_the_child_answers_and_answered_in_order()
         assert [f.done() for f in futures] == [True] + [False] * PIPELINE_DEPTH
         host.settle()
         assert [f.result()["rows"] for f in futures] == [2 * (i + 1) for i in range(PIPELINE_DEPTH + 1)]
-        assert not list(host._dir.iterdir())
+        assert not leftover_blocks(host)
         # A child that dies with requests in flight (stopped first, so that it answers none) fails each of them.
         os.kill(host._process.pid, signal.SIGSTOP)
         futures = [host.submit(PendingCapture.of(summaries(capture(f"late-{i}")))) for i in range(2)]
@@ -132,7 +193,7 @@ def test_requests_are_handed_on_before_the_child_answers_and_answered_in_order()
         for future in futures:
             with pytest.raises(RuntimeError, match="its process exited"):
                 future.result()
-        assert not list(host._dir.iterdir())
+        assert not leftover_blocks(host)
     finally:
         with pytest.raises(RuntimeError, match="its process exited"):
             host.close()
@@ -179,6 +240,6 @@ def test_no_room_in_shared_memory_fails_only_that_request(monkeypatch):
         assert "No space left" in failed.message
         monkeypatch.setattr(os, "posix_fallocate", real)
         assert submit(runner, summaries(capture("req-2"))).status == "ok"
-        assert not list(runner.host._dir.iterdir())
+        assert not leftover_blocks(runner.host)
     finally:
         runner.close()

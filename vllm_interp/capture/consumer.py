@@ -20,7 +20,9 @@ Lifecycle, all on the consumer's thread except ``validate_*``:
    a ``row_reduction``, every row's summary, reduced on the device during the step). Return a dict (or None) that
    travels to the caller as the result: on the caller's side ``result_from_wire`` (classmethod; default: as is)
    turns it into what the caller receives (offline as is; over HTTP through ``result_to_json``). Tensors
-   travel best packed (``capture.packed``). Raise to fail only this request (status ``error``).
+   travel best packed (``capture.packed``). Raise to fail only this request (status ``error``). Copy rows
+   you keep past ``consume``: in a process of its own (``isolation.py``) a consumer that keeps them costs
+   the worker a fresh shared block for the next request.
 5. ``close()``: at engine shutdown, after every queued request was consumed.
 
 Under pipeline parallelism each stage's instance receives that stage's layers; ``merge_results`` combines

@@ -3,21 +3,30 @@
 A consumer's work (statistics, serialisation, writing files) on a thread of the worker holds the worker's
 interpreter lock in turns with the forward loop, so a burst of large captures slows every request of the
 engine. With ``isolation=process`` (``--capture-consumers NAME:isolation=process``; the default of the
-built-in ``logging`` and ``filesystem`` consumers) the consumer lives in a child process: the runner thread
-gathers each request's rows straight into a shared-memory block (a file in ``/dev/shm``, its space reserved
-before it is mapped so a full ``/dev/shm`` is an error, never a bus fault), sends the metadata and the
-block's path over a socket, and goes on to the next request while the child works (up to
-``PIPELINE_DEPTH`` requests in flight, answered in order). The child maps the block, calls ``consume``, and
-answers; its ``close`` runs at shutdown, or when the socket to the worker closes, so a sharded file layout
-still publishes what it buffered (not when the child is killed with the worker: ``vllm-interp serve`` gives
-the engine a grace period to close its consumers when stopped, engine/v0_26/serve.py).
+built-in ``filesystem`` consumer) the consumer lives in a child process: the runner thread gathers each
+request's rows straight into a shared-memory block (a file in ``/dev/shm``, its space reserved before it is
+mapped so a full ``/dev/shm`` is an error, never a bus fault), sends the metadata and the block's path over a
+socket, and goes on to the next request while the child works (up to ``PIPELINE_DEPTH`` requests in flight,
+answered in order). The child maps the block, calls ``consume``, and answers; its ``close`` runs at
+shutdown, or when the socket to the worker closes, so a sharded file layout still publishes what it buffered
+(not when the child is killed with the worker: ``vllm-interp serve`` gives the engine a grace period to close
+its consumers when stopped, engine/v0_26/serve.py).
+
+Blocks are reused, request after request, and stay mapped in both processes: a fresh block per request cost
+about what the disk's write of it costs (H100 host, a 34 MB request: 4 ms to reserve it and 17-20 ms of page
+faults to gather into it, against 6.5 ms into pages already mapped). A consumer may keep a request's tensors
+past ``consume``: the child sees that the block is still referenced when ``consume`` returns and answers so,
+and the worker then gives that block up (its pages live on in the child until the consumer lets go) rather
+than reuse it. So keeping rows is correct but costs a fresh block; the built-in consumers copy what they keep.
 
 The child is started with ``subprocess`` (vLLM's worker processes are daemonic, and daemonic processes may
 not start ``multiprocessing`` children), builds its consumer from the pickled class and context, and reports
 a constructor's error back, so a bad option still fails the engine at start-up.
 """
 
+import gc
 import logging
+import math
 import mmap
 import os
 import socket
@@ -27,7 +36,6 @@ import tempfile
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from functools import partial
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Literal
@@ -46,6 +54,7 @@ SHARED_DIR = "/dev/shm"
 # disk's plain synced write: about 540); to the packed layout (a sync per request) 480-510 -> 720-730 with two.
 # The shared memory in flight stays within the consumer's queue_mb: a request keeps its room until answered.
 PIPELINE_DEPTH = 4
+BLOCK_GRAIN = 2 << 20  # blocks are sized in these steps, so requests of similar sizes share one without resizing
 
 
 class ConsumerProcessError(RuntimeError):
@@ -90,7 +99,8 @@ class InProcess:
     def __init__(self, cls: type[CaptureConsumer], context: ConsumerContext) -> None:
         self.context = context
         self.row_reduction = cls.row_reduction
-        self._in_flight: deque[tuple[Future, str, int | None, str | None]] = deque()  # (future, doing, fd, path)
+        self._in_flight: deque[tuple[Future, str, _SharedBlock | None]] = deque()  # (future, doing, its block)
+        self._spare: list[_SharedBlock] = []  # blocks the child answered for and let go of
         self._dir = Path(tempfile.mkdtemp(prefix=f"vllm-interp-{context.name}-",
                                           dir=SHARED_DIR if os.path.isdir(SHARED_DIR) else None))
         ours, theirs = socket.socketpair()
@@ -113,57 +123,60 @@ class InProcess:
         child answers (``settle``, or a later ``submit`` making room). Raises if the rows cannot be sent."""
         while len(self._in_flight) >= PIPELINE_DEPTH:
             self._receive_oldest()
-        nbytes = pending.nbytes
         doing = f"consuming request {pending.meta.request_id}"
-        fd = path = None
+        block = None
         try:
-            if nbytes:
-                fd, path = tempfile.mkstemp(dir=self._dir)
-                self._fill(fd, pending)
-            self._send(("consume", pending.meta, path, pending.shape, pending.dtype), doing)
+            if pending.nbytes:
+                block = self._block_for(pending.nbytes)
+                filled = block.tensor(pending.shape, pending.dtype)
+                pending.fill(filled)
+                del filled  # the worker's view: the block may be resized or released only without one
+            self._send(("consume", pending.meta, block and block.path, block and block.size, pending.shape,
+                        pending.dtype), doing)
         except BaseException:
-            self._release(fd, path)
+            if block is not None:
+                block.release()  # what the child saw of it, if anything, is unknown: never reused
             raise
         future: Future = Future()
-        self._in_flight.append((future, doing, fd, path))
+        self._in_flight.append((future, doing, block))
         return future
+
+    def _block_for(self, nbytes: int) -> "_SharedBlock":
+        """A spare block (the smallest that holds ``nbytes``, else the largest, resized) or a new one."""
+        if self._spare:
+            fitting = [b for b in self._spare if b.size >= nbytes]
+            block = min(fitting, key=lambda b: b.size) if fitting else max(self._spare, key=lambda b: b.size)
+            self._spare.remove(block)
+        else:
+            block = _SharedBlock(self._dir)
+        try:
+            block.fit(nbytes)
+        except BaseException:
+            block.release()
+            raise
+        return block
 
     def settle(self) -> None:
         """Wait for the child's answer to every request sent."""
         while self._in_flight:
             self._receive_oldest()
 
-    def _fill(self, fd: int, pending: PendingCapture) -> None:
-        nbytes = pending.nbytes
-        try:
-            # Reserve the pages first: a write through a mapping /dev/shm cannot back is a SIGBUS.
-            os.posix_fallocate(fd, 0, nbytes)
-        except OSError as exc:
-            raise RuntimeError(f"no room for {nbytes >> 20} MiB of rows in {self._dir}: {exc}") from None
-        with mmap.mmap(fd, nbytes) as mapped:
-            block = torch.frombuffer(mapped, dtype=torch.uint8).view(pending.dtype).view(pending.shape)
-            pending.fill(block)
-            del block  # the mapping closes only once no tensor points into it
-
     def _receive_oldest(self) -> None:
-        future, doing, fd, path = self._in_flight.popleft()
+        future, doing, block = self._in_flight.popleft()
+        kept = True  # unless the child says otherwise, the block is not reused
         try:
             try:
-                answer = self._receive(doing)
+                answer, kept = self._receive(doing)
             finally:
-                self._release(fd, path)  # before the outcome: whoever sees it finds the block gone
+                # Before the outcome: whoever sees it finds the block reused or gone.
+                if block is not None and kept:
+                    block.release()
+                elif block is not None:
+                    self._spare.append(block)
         except Exception as exc:  # whatever keeps the answer from coming is this request's failure
             future.set_exception(exc)
         else:
             future.set_result(answer)
-
-    @staticmethod
-    def _release(fd: int | None, path: str | None) -> None:
-        """The child maps a block while it needs it: the worker's name and descriptor can go once it answered."""
-        if fd is not None:
-            os.close(fd)
-        if path is not None:
-            os.unlink(path)
 
     def close(self) -> None:
         try:
@@ -176,7 +189,7 @@ class InProcess:
         """Send ``message`` (None: only wait for the answer) and return the child's answer."""
         if message is not None:
             self._send(message, doing)
-        return self._receive(doing)
+        return self._receive(doing)[0]
 
     def _send(self, message: tuple, doing: str) -> None:
         try:
@@ -184,14 +197,16 @@ class InProcess:
         except OSError:
             raise self._exited(doing) from None
 
-    def _receive(self, doing: str) -> Any:
+    def _receive(self, doing: str) -> tuple[Any, bool]:
+        """The child's answer, and whether it still holds the request's block (see the module docstring)."""
         try:
-            status, value = self._conn.recv()
+            status, value, kept = self._conn.recv()
         except (EOFError, OSError):
             raise self._exited(doing) from None
         if status == "error":
+            # A failed request's block is given up whatever the child holds of it (failures are rare).
             raise ConsumerProcessError(value)
-        return value
+        return value, kept
 
     def _exited(self, doing: str) -> RuntimeError:
         return RuntimeError(f"capture consumer {self.context.name}: its process exited ({self._exit_code()}) "
@@ -206,6 +221,9 @@ class InProcess:
 
     def _stop(self) -> None:
         self._conn.close()
+        for block in self._spare:
+            block.release()
+        self._spare.clear()
         try:
             self._process.wait(60)
         except subprocess.TimeoutExpired:
@@ -220,17 +238,80 @@ def consumer_host(cls: type[CaptureConsumer], context: ConsumerContext, isolatio
     return InProcess(cls, context) if isolation == "process" else InThread(cls(context))
 
 
+class _SharedBlock:
+    """A file of shared memory the worker keeps mapped and gathers request after request into."""
+
+    def __init__(self, directory: Path) -> None:
+        self.fd, self.path = tempfile.mkstemp(dir=directory)
+        self.size = 0
+        self._mapped: mmap.mmap | None = None
+
+    def fit(self, nbytes: int) -> None:
+        """Size the block for ``nbytes``: grown when smaller, shrunk when over four times larger (so one large
+        request does not hold its pages for good)."""
+        size = -(-nbytes // BLOCK_GRAIN) * BLOCK_GRAIN
+        if size <= self.size <= 4 * size:
+            return
+        if size > self.size:
+            try:
+                # Reserve the pages first: a write through a mapping /dev/shm cannot back is a SIGBUS.
+                os.posix_fallocate(self.fd, 0, size)
+            except OSError as exc:
+                raise RuntimeError(f"no room for {nbytes >> 20} MiB of rows in {Path(self.path).parent}: "
+                                   f"{exc}") from None
+        else:
+            os.ftruncate(self.fd, size)
+        # The old mapping goes with its last view (the worker holds none between requests).
+        self._mapped = mmap.mmap(self.fd, size)
+        self.size = size
+
+    def tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        assert self._mapped is not None
+        return _view(self._mapped, shape, dtype)
+
+    def release(self) -> None:
+        """Unmap and remove the block (a child still holding rows of it keeps its own mapping)."""
+        self._mapped = None
+        os.close(self.fd)
+        os.unlink(self.path)
+
+
+def _view(mapped: mmap.mmap, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    nbytes = math.prod(shape) * dtype.itemsize
+    return torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+
+
+class _ChildBlocks:
+    """The child's mappings of the worker's blocks, kept from request to request while the blocks are reused."""
+
+    def __init__(self) -> None:
+        self._mapped: dict[str, mmap.mmap] = {}
+
+    def map(self, path: str, size: int) -> mmap.mmap:
+        mapped = self._mapped.get(path)
+        if mapped is None or len(mapped) != size:  # new, or resized by the worker since
+            with open(path, "r+b") as f:
+                mapped = self._mapped[path] = mmap.mmap(f.fileno(), size)
+        return mapped
+
+    def forget(self, path: str) -> None:
+        """The consumer kept rows of this block: they keep the mapping; the worker will not reuse the block."""
+        del self._mapped[path]
+
+
 def _serve(conn: Connection) -> None:
-    """The child: build the consumer, then answer requests until told to close or the worker goes away."""
+    """The child: build the consumer, then answer requests until told to close or the worker goes away. Every
+    answer is ``(status, value, kept)``: ``kept`` tells whether the consumer still holds the request's block."""
     cls, context, level = conn.recv()
     logging.basicConfig(format="%(levelname)s %(asctime)s [%(name)s] %(message)s")
     logging.getLogger("vllm_interp").setLevel(level)
     try:
         consumer = cls(context)
     except Exception as exc:
-        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        conn.send(("error", f"{type(exc).__name__}: {exc}", False))
         return
-    conn.send(("ok", None))
+    conn.send(("ok", None, False))
+    blocks = _ChildBlocks()
     while True:
         try:
             message = conn.recv()
@@ -238,9 +319,9 @@ def _serve(conn: Connection) -> None:
             consumer.close()  # the worker is gone: publish what is buffered, nobody will ask again
             return
         if message[0] == "close":
-            conn.send(_outcome(consumer.close))
+            conn.send((*_outcome(consumer.close), False))
             return
-        conn.send(_outcome(partial(_consume, consumer, *message[1:])))
+        conn.send(_consume(consumer, blocks, *message[1:]))
 
 
 def _outcome(call: Callable[[], Any]) -> tuple[str, Any]:
@@ -250,15 +331,20 @@ def _outcome(call: Callable[[], Any]) -> tuple[str, Any]:
         return "error", f"{type(exc).__name__}: {exc}"
 
 
-def _consume(consumer: CaptureConsumer, meta: CaptureMeta, path: str | None, shape: tuple[int, ...],
-             dtype: torch.dtype) -> dict[str, Any] | None:
+def _consume(consumer: CaptureConsumer, blocks: _ChildBlocks, meta: CaptureMeta, path: str | None,
+             size: int | None, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[str, Any, bool]:
     if path is None:  # no rows
-        block = torch.empty(shape, dtype=dtype)
-    else:
-        with open(path, "r+b") as f:
-            mapped = mmap.mmap(f.fileno(), 0)  # stays mapped while the consumer holds a tensor of it
-        block = torch.frombuffer(mapped, dtype=torch.uint8).view(dtype).view(shape)
-    return consumer.consume(request_capture(meta, block))
+        return (*_outcome(lambda: consumer.consume(request_capture(meta, torch.empty(shape, dtype=dtype)))), False)
+    mapped = blocks.map(path, size)
+    unheld = sys.getrefcount(mapped)  # every tensor of the block holds the mapping
+    outcome = _outcome(lambda: consumer.consume(request_capture(meta, _view(mapped, shape, dtype))))
+    kept = sys.getrefcount(mapped) > unheld
+    if kept:
+        gc.collect()  # a reference cycle the consumer left may be all that holds the rows
+        kept = sys.getrefcount(mapped) > unheld
+    if kept:
+        blocks.forget(path)
+    return (*outcome, kept)
 
 
 if __name__ == "__main__":

@@ -71,6 +71,59 @@ class _Pending:
     nbytes: int
 
 
+class _ShardMemory:
+    """Memory the sharded layout copies buffered requests' rows into, reused shard after shard. Buffered rows
+    outlive ``consume``, and a consumer in a process of its own receives them in a shared block that the worker
+    reuses once ``consume`` returns (capture/isolation.py); memory that stays mapped also takes the copy without
+    the page faults a fresh allocation per shard pays. A shard's buffers come back once it is published."""
+
+    SPARE = 2  # one shard filling while the one before it is written
+
+    def __init__(self) -> None:
+        self._filling: torch.Tensor | None = None
+        self._used = 0
+        self._held: list[torch.Tensor] = []  # every buffer rows of buffered requests live in
+        self._spare: list[torch.Tensor] = []
+
+    def copy_in(self, tensors: dict[str, torch.Tensor], shard_bytes: int) -> dict[str, torch.Tensor]:
+        """``tensors`` copied into the buffer that is filling (when they do not fit, a fresh one of at least
+        ``shard_bytes``)."""
+        sizes = [_aligned(t.numel() * t.element_size()) for t in tensors.values()]
+        if self._filling is None or self._filling.numel() - self._used < sum(sizes):
+            self._filling, self._used = self._take(max(shard_bytes, sum(sizes))), 0
+            self._held.append(self._filling)
+        copied = {}
+        for (name, tensor), size in zip(tensors.items(), sizes, strict=True):
+            region = self._filling[self._used: self._used + tensor.numel() * tensor.element_size()]
+            copied[name] = region.view(tensor.dtype).view(tensor.shape)
+            copied[name].copy_(tensor)
+            self._used += size
+        return copied
+
+    def hand_over(self) -> list[torch.Tensor]:
+        """The buffers of every request buffered so far (a shard on its way to the writer)."""
+        held, self._held, self._filling = self._held, [], None
+        return held
+
+    def written(self, buffers: list[torch.Tensor]) -> None:
+        self._spare = (self._spare + buffers)[-self.SPARE:]
+
+    def not_written(self, buffers: list[torch.Tensor]) -> None:
+        """A shard whose publish failed: its requests are buffered again, in its buffers."""
+        self._held = buffers + self._held
+
+    def _take(self, nbytes: int) -> torch.Tensor:
+        for buffer in self._spare:
+            if buffer.numel() >= nbytes:
+                self._spare.remove(buffer)
+                return buffer
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // 8) * 8  # every tensor of a buffer starts 8-byte aligned, whatever its dtype
+
+
 class FilesystemConsumer(CaptureConsumer):
     """Writes each finished request's capture under ``root`` (see the module docstring for the layouts)."""
 
@@ -93,7 +146,8 @@ class FilesystemConsumer(CaptureConsumer):
         # A full shard is published on a thread of its own while the next one fills (its writes and syncs
         # release the interpreter lock), so taking requests never waits for the disk: one shard in the writer.
         self._writer: ThreadPoolExecutor | None = None
-        self._writing: tuple[Future, dict[str, _Pending]] | None = None  # (its publish, its requests)
+        self._writing: tuple[Future, dict[str, _Pending], list[torch.Tensor]] | None = None
+        self._memory = _ShardMemory()
 
     @classmethod
     def validate_engine_options(cls, options: dict[str, str]) -> dict[str, Any]:
@@ -140,12 +194,14 @@ class FilesystemConsumer(CaptureConsumer):
         to the front of the buffer (the next shard, or a second close, retries them) and the error is raised."""
         if self._writing is None:
             return
-        (publish, batch), self._writing = self._writing, None
+        (publish, batch, buffers), self._writing = self._writing, None
         try:
             publish.result()
         except BaseException:
             self._pending = {**batch, **self._pending}
+            self._memory.not_written(buffers)
             raise
+        self._memory.written(buffers)
 
     # -- placement and collisions ------------------------------------------------------------------------------
 
@@ -257,7 +313,7 @@ class FilesystemConsumer(CaptureConsumer):
         if self._pending and self._pending_bytes + nbytes > self.shard_bytes:
             self._flush()
         shard = _shard_path(self.root, self._next_shard)
-        self._pending[base] = _Pending(tensors, meta, nbytes)
+        self._pending[base] = _Pending(self._memory.copy_in(tensors, self.shard_bytes), meta, nbytes)
         if self._pending_bytes >= self.shard_bytes:
             try:
                 self._flush()
@@ -291,7 +347,7 @@ class FilesystemConsumer(CaptureConsumer):
         batch, self._pending = self._pending, {}
         if self._writer is None:
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="vllm-interp-shard-writer")
-        self._writing = (self._writer.submit(_publish_shard, shard, batch), batch)
+        self._writing = (self._writer.submit(_publish_shard, shard, batch), batch, self._memory.hand_over())
 
 
 def _publish_shard(shard: Path, batch: dict[str, _Pending]) -> None:
