@@ -51,8 +51,8 @@ class HostCopy:
         return copy
 
     def land(self, host: torch.Tensor) -> None:
-        one = len(self.splits) == 1  # a single request owns the whole block: no copy needed
-        self.parts = [host if one else host[:, start:stop].clone() for start, stop in self.splits]
+        # A single request owns the whole block: no copy needed.
+        self.parts = [host] if len(self.splits) == 1 else split_copies(host, self.splits)
         self.block = self.event = None
         self._done.set()
 
@@ -106,6 +106,19 @@ class PinnedCopy:
         assert self._array is not None
         start, stop = self.splits[i]
         return self._array[:, start:stop]
+
+
+def split_copies(host: torch.Tensor, splits: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """Copies of ``host[:, start:stop]`` for each split, made in one call. A thread other than the forward loop
+    gives up the interpreter lock in every torch op and, behind a busy forward loop, waits up to the switch
+    interval to take it back: a clone per request (64 a step) took 0.3 ms alone and 7.8 ms beside a busy
+    thread on the dev CPU; allocated by numpy (which keeps the lock) and copied in one call, 0.3 and 0.8."""
+    sites, _, hidden = host.shape
+    copies = [torch.from_numpy(np.empty(sites * (stop - start) * hidden * host.element_size(), dtype=np.uint8))
+              .view(host.dtype).view(sites, stop - start, hidden) for start, stop in splits]
+    # torch's multi-tensor copy (a private name, present in the pinned torch 2.11).
+    torch._foreach_copy_(copies, [host[:, start:stop] for start, stop in splits])
+    return copies
 
 
 def as_array(tensor: torch.Tensor) -> np.ndarray:
