@@ -4,23 +4,23 @@
         [--prompt-tokens 128] [--max-tokens 256] [--rounds 2] [--profile plain,full]
 
 Every request captures ``post_block`` of every layer at every generated position to ``--consumer``
-(``logging`` by default, in its own process). Between passes on the same engine, the host copier's transfer
-(``HostCopier._to_host``), its per-request split (``HostCopy.land``) or its submission are swapped for
-variants that each drop or change one part of the move to host memory, and each pass reports the median
-decode TPOT (first to last token over the tokens between them) against a pass that captures nothing, in
-rounds (A B C ... A B C):
+(``logging`` by default). Between passes on the same engine, the host copier's submission
+(``HostCopier.submit``), its wait for the copy (``HostCopier._to_host``) or its per-request split
+(``HostCopy.land``) are swapped for variants that each drop or change one part of the move to host memory,
+and each pass reports the median decode TPOT (first to last token over the tokens between them) against a
+pass that captures nothing, in rounds (A B C ... A B C):
 
 - ``plain``: no capture.
-- ``full``: the copier as shipped.
-- ``no_split``: the copy, but each request is filed a view of the step's block (no per-request clone).
-- ``no_transfer``: no device->host copy at all: every step lands a preallocated host block of the right shape
-  (consumers get zeros); planning, the in-graph read, the gather, filing and consumers as usual.
+- ``full``: as shipped (the forward thread queues an asynchronous copy into pinned memory; the copier thread
+  waits for it and splits it per request).
+- ``pageable``: the path shipped before: the copier thread copies the block itself, from its own stream into
+  pageable memory (``.to("cpu")``), then splits it.
+- ``no_split``: as shipped, but each request is filed a view of the step's block (no per-request copy).
+- ``no_transfer``: the copy is started but its result ignored: every step lands a preallocated host block of
+  the right shape (consumers get zeros); planning, the in-graph read, the gather, filing and consumers as usual.
 - ``no_thread``: no device->host copy and no copier thread: the forward thread lands views of a preallocated
   host block at once (consumers get zeros).
-- ``switch_interval``: the shipped copier with the interpreter's thread switch interval at 0.2 ms.
-- ``staging_poll`` / ``staging_sync``: the copy goes through one pinned staging buffer allocated once (an
-  asynchronous copy on the copier's stream, its event polled every 0.2 ms / waited for), then a host copy into
-  ordinary memory, instead of a pageable ``.to("cpu")``.
+- ``switch_interval``: as shipped, with the interpreter's thread switch interval at 0.2 ms.
 
 ``--profile VARIANT,...`` (e.g. ``plain,full``) adds a torch profiler pass of each named variant (the top
 host-side functions by self time, CUDA runtime calls included); ``--cprofile VARIANT,...`` a pass under
@@ -47,71 +47,64 @@ from vllm_interp import LLM
 from vllm_interp.capture import host_copies
 
 MODE = {"name": "full"}
-STAGING_BYTES = 64 << 20
 _HOST_BLOCKS: dict[tuple, torch.Tensor] = {}
 
 
 _shipped_to_host = host_copies.HostCopier._to_host
 _shipped_land = host_copies.HostCopy.land
+_shipped_submit = host_copies.HostCopier.submit
 
 
-def _to_host_variants(copy: host_copies.HostCopy, stream: torch.cuda.Stream) -> torch.Tensor:
+def _to_host_variants(copy: host_copies.HostCopy) -> torch.Tensor:
     """HostCopier._to_host with the variants above, chosen per copy from MODE."""
     mode = MODE["name"]
     if mode == "no_transfer":
         copy.event.synchronize()
-        key = (tuple(copy.block.shape), copy.block.dtype)
-        if key not in _HOST_BLOCKS:
-            _HOST_BLOCKS[key] = torch.zeros(copy.block.shape, dtype=copy.block.dtype)
-        return _HOST_BLOCKS[key]
-    if mode.startswith("staging"):
-        return _through_staging(copy, stream, poll=mode == "staging_poll")
-    return _shipped_to_host(copy, stream)
+        return _host_block(tuple(copy.pinned.shape), copy.pinned.dtype)
+    if mode == "pageable":
+        stream = _PAGEABLE.setdefault("stream", torch.cuda.Stream())
+        with torch.cuda.stream(stream):
+            stream.wait_event(copy.event)
+            return copy.device_block.to("cpu")
+    return _shipped_to_host(copy)
+
+
+_PAGEABLE: dict[str, torch.cuda.Stream] = {}
 
 
 def _land_variants(self: host_copies.HostCopy, host: torch.Tensor) -> None:
     if MODE["name"] != "no_split":
         return _shipped_land(self, host)
     self.parts = [host[:, start:stop] for start, stop in self.splits]
-    self.block = self.event = None
+    self.pinned = self.event = None
     self._done.set()
 
 
-def _through_staging(copy: host_copies.HostCopy, stream: torch.cuda.Stream, poll: bool) -> torch.Tensor:
-    if "staging" not in _HOST_BLOCKS:
-        _HOST_BLOCKS["staging"] = torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True)
-    staging = _HOST_BLOCKS["staging"]
-    host = torch.empty(copy.block.shape, dtype=copy.block.dtype)
-    source, target = copy.block.reshape(-1).view(torch.uint8), host.view(-1).view(torch.uint8)
-    stream.wait_event(copy.event)
-    for start in range(0, copy.nbytes, STAGING_BYTES):
-        size = min(STAGING_BYTES, copy.nbytes - start)
-        with torch.cuda.stream(stream):
-            staging[:size].copy_(source[start : start + size], non_blocking=True)
-            landed = torch.cuda.Event()
-            landed.record()
-        if poll:
-            while not landed.query():
-                time.sleep(0.0002)
-        else:
-            landed.synchronize()
-        target[start : start + size].copy_(staging[:size])
-    return host
-
-
-_shipped_submit = host_copies.HostCopier.submit
-
-
 def _submit_variants(self: host_copies.HostCopier, block: torch.Tensor, splits: list[tuple[int, int]]):
-    if MODE["name"] != "no_thread":
+    mode = MODE["name"]
+    if mode == "no_thread":
+        host = _host_block(tuple(block.shape), block.dtype)
+        copy = host_copies.HostCopy(splits)
+        copy.parts = [host[:, start:stop] for start, stop in splits]
+        copy._done.set()
+        return copy
+    if mode != "pageable":
         return _shipped_submit(self, block, splits)
-    key = (tuple(block.shape), block.dtype)
-    if key not in _HOST_BLOCKS:
-        _HOST_BLOCKS[key] = torch.zeros(block.shape, dtype=block.dtype)
-    copy = host_copies.HostCopy(splits)
-    copy.parts = [_HOST_BLOCKS[key][:, start:stop] for start, stop in splits]
-    copy._done.set()
+    copy = host_copies.HostCopy(splits, block.numel() * block.element_size())
+    copy.device_block, copy.event = block, torch.cuda.Event()
+    copy.event.record()
+    with self._cond:
+        self._cond.wait_for(lambda: not self._in_flight or self._in_flight + copy.nbytes <= self.max_bytes)
+        self._in_flight += copy.nbytes
+        self._queue.append(copy)
+        self._cond.notify_all()
     return copy
+
+
+def _host_block(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    if (shape, dtype) not in _HOST_BLOCKS:
+        _HOST_BLOCKS[(shape, dtype)] = torch.zeros(shape, dtype=dtype)
+    return _HOST_BLOCKS[(shape, dtype)]
 
 
 def decode_tpot_ms(outputs) -> float:
@@ -136,7 +129,7 @@ def main() -> None:
     parser.add_argument("--attention-backend", default=None, help="TRITON_ATTN on the lent GPU")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--variants",
-                        default="plain,full,no_split,no_transfer,switch_interval,staging_poll,staging_sync")
+                        default="plain,full,pageable,no_split,no_transfer,no_thread")
     args = parser.parse_args()
 
     host_copies.HostCopier._to_host = staticmethod(_to_host_variants)

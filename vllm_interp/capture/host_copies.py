@@ -1,21 +1,24 @@
 """Moving a step's read rows off the device without holding up the forward thread.
 
 Every capturing step leaves one gathered ``[sites, rows, hidden]`` block on the device (and, for consumers
-with a row reduction, a small ``[sites, rows, width]`` block of summaries). Two ways off the device:
+with a row reduction, a small ``[sites, rows, width]`` block of summaries). The forward thread queues an
+asynchronous copy of it into pinned host memory on its own stream and records an event, then goes on; the
+block's device memory goes back to the stream's pool at once (later kernels of the stream run after the copy).
+What happens once the copy lands depends on the size:
 
-- ``HostCopier`` (large blocks): a thread of its own copies each block, in order, on a stream of its own
-  (after an event the forward thread recorded behind the gather) into ordinary memory, splits it into each
-  request's own rows, and releases the device block. Device memory in flight is bounded (``max_bytes``): past
-  it the forward thread waits for the copier, which only happens when the host cannot keep up.
-- ``PinnedCopy`` (blocks up to ``PINNED_MAX_BYTES``): the forward thread queues an asynchronous copy into
-  pinned memory on its current stream and records an event; the store polls the event at later steps, and a
-  request's rows are views of the landed block, taken where they are gathered. No thread and no interpreter
-  lock shared with one: per step, one copy and one event (every-token statistics to ``logging`` on an H100:
-  decode steps 1.04x plain; benchmarks/results/bulk-capture-gpu-2026-11-27.md).
+- ``PinnedCopy`` (blocks up to ``PINNED_MAX_BYTES``): the store polls the event at later steps and lands the
+  block in ordinary memory; a request's rows are views of it, taken where they are gathered. No thread and no
+  interpreter lock shared with one (every-token statistics to ``logging`` on an H100: decode steps 1.04x plain;
+  benchmarks/results/bulk-capture-gpu-2026-11-27.md).
+- ``HostCopy`` (larger blocks): a copier thread waits for the event and splits the block into each request's
+  own rows (so a long request never keeps the others' rows alive), then lets the pinned memory go. Pinned
+  memory in flight is bounded (``max_bytes``): past it the forward thread waits for the copier, which only
+  happens when the host cannot keep up.
 
-For large blocks the copy is not what makes every-token capture of whole rows slow: on an H100, decode steps
-with 64 rows x 16 sites read every step took as long with the transfer (and its thread) replaced by a
-preallocated host block (``benchmarks/capture_breakdown.py``, same record).
+The copier makes no CUDA call but an event wait. It used to copy each block itself, from its own stream into
+pageable memory: on an H100 every CUDA call of the forward thread then took about ten times as long
+(``cudaMemcpyAsync`` 158 us on average against 15, kernel launches 118 us against 12) and decode steps that
+read whole rows at 16 sites x 64 requests ran at 2.1x plain (``benchmarks/capture_breakdown.py``).
 """
 
 import threading
@@ -25,7 +28,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-MAX_BYTES_IN_FLIGHT = 1 << 30
+# Pinned memory stays in torch's host cache once allocated: bound what the copier may lag behind by.
+MAX_BYTES_IN_FLIGHT = 256 << 20
 # Small enough that a step's block, held by its requests as views until they finish, wastes little memory.
 PINNED_MAX_BYTES = 1 << 20
 
@@ -35,10 +39,10 @@ class HostCopy:
     rows ``splits[i]`` (a request's own copy: a view would keep every other request's rows of the step alive
     for as long as that request runs)."""
 
-    def __init__(self, splits: list[tuple[int, int]], block: torch.Tensor | None = None) -> None:
+    def __init__(self, splits: list[tuple[int, int]], nbytes: int = 0) -> None:
         self.splits = splits
-        self.block = block
-        self.nbytes = 0 if block is None else block.numel() * block.element_size()
+        self.nbytes = nbytes
+        self.pinned: torch.Tensor | None = None  # the copy in flight
         self.event: torch.cuda.Event | None = None
         self.parts: list[torch.Tensor] | None = None
         self._done = threading.Event()
@@ -51,9 +55,10 @@ class HostCopy:
         return copy
 
     def land(self, host: torch.Tensor) -> None:
-        # A single request owns the whole block: no copy needed.
-        self.parts = [host] if len(self.splits) == 1 else split_copies(host, self.splits)
-        self.block = self.event = None
+        """Take each request's rows out of ``host``: ordinary memory of their own (pinned memory goes back to
+        torch's cache at once, never held for as long as a request runs)."""
+        self.parts = split_copies(host, self.splits) if self.pinned is not None or len(self.splits) > 1 else [host]
+        self.pinned = self.event = None
         self._done.set()
 
     def done(self) -> bool:
@@ -72,6 +77,16 @@ class HostCopy:
         return as_array(self.part(i))
 
 
+def start_pinned_copy(block: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
+    """Queue a copy of ``block`` into pinned host memory on the current stream, without waiting; returns the
+    host tensor and an event that completes when it has landed."""
+    pinned = torch.empty(block.shape, dtype=block.dtype, pin_memory=True)
+    pinned.copy_(block, non_blocking=True)
+    event = torch.cuda.Event(blocking=True)  # waited for on the copier: sleep, do not spin on a core
+    event.record()
+    return pinned, event
+
+
 class PinnedCopy:
     """A small block copied by the forward thread into pinned memory without waiting; ``wait`` lands it in
     ordinary memory (pinned pages go back to PyTorch's host cache at once); ``part`` is a view of it, taken
@@ -79,10 +94,8 @@ class PinnedCopy:
 
     def __init__(self, block: torch.Tensor, splits: list[tuple[int, int]]) -> None:
         self.splits = splits
-        self._pinned: torch.Tensor | None = torch.empty(block.shape, dtype=block.dtype, pin_memory=True)
-        self._pinned.copy_(block, non_blocking=True)
-        self._event = torch.cuda.Event()
-        self._event.record()
+        pinned, self._event = start_pinned_copy(block)
+        self._pinned: torch.Tensor | None = pinned
         self._host: torch.Tensor | None = None
         self._array: np.ndarray | None = None  # the same memory, for slicing at numpy's cost
 
@@ -150,35 +163,33 @@ class HostCopier:
         threading.Thread(target=self._run, name="vllm-interp-host-copies", daemon=True).start()
 
     def submit(self, block: torch.Tensor, splits: list[tuple[int, int]]) -> HostCopy:
-        """Queue ``block`` (just gathered on the current stream) for copying and splitting; returns at once
-        unless the device memory in flight is past its bound."""
-        copy = HostCopy(splits, block)
-        copy.event = torch.cuda.Event()
-        copy.event.record()
+        """Start copying ``block`` (just gathered on the current stream) into pinned memory and queue it for
+        splitting; returns at once unless the pinned memory in flight is past its bound."""
+        copy = HostCopy(splits, block.numel() * block.element_size())
         with self._cond:
             self._cond.wait_for(lambda: not self._in_flight or self._in_flight + copy.nbytes <= self.max_bytes)
             self._in_flight += copy.nbytes
+        copy.pinned, copy.event = start_pinned_copy(block)
+        with self._cond:
             self._queue.append(copy)
             self._cond.notify_all()
         return copy
 
     def _run(self) -> None:
         torch.cuda.set_device(self.device)
-        stream = torch.cuda.Stream(self.device)
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: bool(self._queue))
                 copy = self._queue.popleft()
             nbytes = copy.nbytes
-            copy.land(self._to_host(copy, stream))
+            copy.land(self._to_host(copy))
             with self._cond:
                 self._in_flight -= nbytes
                 self._cond.notify_all()
 
     @staticmethod
-    def _to_host(copy: HostCopy, stream: torch.cuda.Stream) -> torch.Tensor:
-        with torch.cuda.stream(stream):
-            stream.wait_event(copy.event)
-            # Ordinary memory: returns once the copy is complete, so the block can go back to the forward
-            # stream's pool as it is.
-            return copy.block.to("cpu")
+    def _to_host(copy: HostCopy) -> torch.Tensor:
+        """The block in host memory, once its copy has landed."""
+        assert copy.event is not None and copy.pinned is not None
+        copy.event.synchronize()
+        return copy.pinned
