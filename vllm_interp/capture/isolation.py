@@ -49,10 +49,12 @@ ISOLATIONS: tuple[str, ...] = ("thread", "process")
 START_TIMEOUT_S = 300.0  # importing torch in the child on a loaded 2-core machine takes a while
 SHARED_DIR = "/dev/shm"
 # Requests handed to a child before the oldest one's answer is awaited: the runner thread gathers the next
-# requests' rows while the child consumes (or writes) the last. On the dev CPU, 32 MB requests through a
-# process to a sharded layout on disk went at 490-520 MB/s one at a time, 580-600 with four in flight (the
-# disk's plain synced write: about 540); to the packed layout (a sync per request) 480-510 -> 720-730 with two.
-# The shared memory in flight stays within the consumer's queue_mb: a request keeps its room until answered.
+# requests' rows while the child consumes (or writes) the last. With a fresh block per request, 32 MB requests
+# to a sharded layout on the dev CPU's disk went at 490-520 MB/s one at a time and 580-600 with four in flight,
+# to the packed layout (a sync per request) 480-510 -> 720-730 with two. With blocks reused the depth matters
+# little for the sharded layout (dev CPU 881 / 824 MB/s at one / four; H100 host 494 / 516): it is for
+# consumers that wait on the disk per request. Each request in flight holds a block (a request's room in the
+# consumer's queue_mb is held until it is answered).
 PIPELINE_DEPTH = 4
 BLOCK_GRAIN = 2 << 20  # blocks are sized in these steps, so requests of similar sizes share one without resizing
 
