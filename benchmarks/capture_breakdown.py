@@ -4,29 +4,23 @@
         [--prompt-tokens 128] [--max-tokens 256] [--rounds 2] [--profile plain,full]
 
 Every request captures ``post_block`` of every layer at every generated position to ``--consumer``
-(``logging`` by default). Between passes on the same engine, the host copier's submission
-(``HostCopier.submit``), its wait for the copy (``HostCopier._to_host``) or its per-request split
-(``HostCopy.land``) are swapped for variants that each drop or change one part of the move to host memory,
-and each pass reports the median decode TPOT (first to last token over the tokens between them) against a
-pass that captures nothing, in rounds (A B C ... A B C):
+(``logging`` by default). Between passes on the same engine, the move of each step's rows to host memory
+(``store.to_host``) is swapped for variants, and each pass reports the median decode TPOT (first to last
+token over the tokens between them) against a pass that captures nothing, in rounds (A B C ... A B C):
 
 - ``plain``: no capture.
-- ``full``: as shipped (the forward thread queues an asynchronous copy into pinned memory; the copier thread
-  waits for it and splits it per request).
-- ``pageable``: the path shipped before: the copier thread copies the block itself, from its own stream into
-  pageable memory (``.to("cpu")``), then splits it.
-- ``no_split``: as shipped, but each request is filed a view of the step's block (no per-request copy).
-- ``no_transfer``: the copy is started but its result ignored: every step lands a preallocated host block of
-  the right shape (consumers get zeros); planning, the in-graph read, the gather, filing and consumers as usual.
-- ``no_thread``: no device->host copy and no copier thread: the forward thread lands views of a preallocated
-  host block at once (consumers get zeros).
+- ``full``: as shipped (the forward thread queues an asynchronous copy into pinned memory and lands it at a
+  later step, split per request when large).
+- ``no_copy``: no device->host copy at all: each step lands a preallocated host block of the right shape at
+  once (consumers get zeros), split per request as shipped; planning, the in-graph read, the gather, filing
+  and consumers as usual.
 - ``switch_interval``: as shipped, with the interpreter's thread switch interval at 0.2 ms.
 
 ``--profile VARIANT,...`` (e.g. ``plain,full``) adds a torch profiler pass of each named variant (the top
 host-side functions by self time, CUDA runtime calls included); ``--cprofile VARIANT,...`` a pass under
 Python's profiler (the engine runs in this process, so its whole loop shows: the top functions by own time,
 then vllm-interp's by cumulative time, per decode step). ``--consumer`` picks what the requests capture to:
-``logging`` takes statistics reduced on the device, so the host copier's variants only change anything with
+``logging`` takes statistics reduced on the device, so the variants change most with
 a consumer that takes whole rows (``inline``).
 Results are printed; nothing in the product changes. The default variant list runs in about 4 minutes on an
 H100 (engine start included).
@@ -44,67 +38,21 @@ import torch
 from vllm import SamplingParams
 
 from vllm_interp import LLM
-from vllm_interp.capture import host_copies
+from vllm_interp.capture import host_copies, store
 
 MODE = {"name": "full"}
 _HOST_BLOCKS: dict[tuple, torch.Tensor] = {}
+_shipped_to_host = store.to_host
 
 
-_shipped_to_host = host_copies.HostCopier._to_host
-_shipped_land = host_copies.HostCopy.land
-_shipped_submit = host_copies.HostCopier.submit
-
-
-def _to_host_variants(copy: host_copies.HostCopy) -> torch.Tensor:
-    """HostCopier._to_host with the variants above, chosen per copy from MODE."""
-    mode = MODE["name"]
-    if mode == "no_transfer":
-        copy.event.synchronize()
-        return _host_block(tuple(copy.pinned.shape), copy.pinned.dtype)
-    if mode == "pageable":
-        stream = _PAGEABLE.setdefault("stream", torch.cuda.Stream())
-        with torch.cuda.stream(stream):
-            stream.wait_event(copy.event)
-            return copy.device_block.to("cpu")
-    return _shipped_to_host(copy)
-
-
-_PAGEABLE: dict[str, torch.cuda.Stream] = {}
-
-
-def _land_variants(self: host_copies.HostCopy, host: torch.Tensor) -> None:
-    if MODE["name"] != "no_split":
-        return _shipped_land(self, host)
-    self.parts = [host[:, start:stop] for start, stop in self.splits]
-    self.pinned = self.event = None
-    self._done.set()
-
-
-def _submit_variants(self: host_copies.HostCopier, block: torch.Tensor, splits: list[tuple[int, int]]):
-    mode = MODE["name"]
-    if mode == "no_thread":
-        host = _host_block(tuple(block.shape), block.dtype)
-        copy = host_copies.HostCopy(splits)
-        copy.parts = [host[:, start:stop] for start, stop in splits]
-        copy._done.set()
-        return copy
-    if mode != "pageable":
-        return _shipped_submit(self, block, splits)
-    copy = host_copies.HostCopy(splits, block.numel() * block.element_size())
-    copy.device_block, copy.event = block, torch.cuda.Event()
-    copy.event.record()
-    with self._cond:
-        self._cond.wait_for(lambda: not self._in_flight or self._in_flight + copy.nbytes <= self.max_bytes)
-        self._in_flight += copy.nbytes
-        self._queue.append(copy)
-        self._cond.notify_all()
-    return copy
-
-
-def _host_block(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-    if (shape, dtype) not in _HOST_BLOCKS:
-        _HOST_BLOCKS[(shape, dtype)] = torch.zeros(shape, dtype=dtype)
-    return _HOST_BLOCKS[(shape, dtype)]
+def _to_host_variants(block: torch.Tensor, splits: list[tuple[int, int]]):
+    """``store.to_host`` with the variants above, chosen per step from MODE."""
+    if MODE["name"] != "no_copy":
+        return _shipped_to_host(block, splits)
+    key = (tuple(block.shape), block.dtype)
+    if key not in _HOST_BLOCKS:
+        _HOST_BLOCKS[key] = torch.zeros(key[0], dtype=block.dtype)
+    return host_copies.HostCopy.landed(_HOST_BLOCKS[key], splits)
 
 
 def decode_tpot_ms(outputs) -> float:
@@ -129,12 +77,10 @@ def main() -> None:
     parser.add_argument("--attention-backend", default=None, help="TRITON_ATTN on the lent GPU")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--variants",
-                        default="plain,full,pageable,no_split,no_transfer,no_thread")
+                        default="plain,full,no_copy")
     args = parser.parse_args()
 
-    host_copies.HostCopier._to_host = staticmethod(_to_host_variants)
-    host_copies.HostCopy.land = _land_variants
-    host_copies.HostCopier.submit = _submit_variants
+    store.to_host = _to_host_variants
     backend = {"attention_backend": args.attention_backend} if args.attention_backend else {}
     llm = LLM(model=args.model, dtype=args.dtype, capture_consumers=(args.consumer,), **backend,
               max_model_len=args.prompt_tokens + args.max_tokens + 8, kv_cache_memory_bytes=2 << 30,
@@ -162,7 +108,7 @@ def main() -> None:
 
     variants = args.variants.split(",")
     for variant in variants:
-        one_pass(variant, 999)  # warm-up (graphs, consumer process, copier thread)
+        one_pass(variant, 999)  # warm-up (graphs, consumer process)
     table: dict[str, list[float]] = {v: [] for v in variants}
     for r in range(args.rounds):
         for variant in variants:

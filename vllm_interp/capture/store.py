@@ -5,8 +5,8 @@ request that is recomputed overwrites the positions it already had: consumers se
 request ends either when the caller asks for its results (``results``, by capture key, with the final
 sequence length) or when the scheduler reports it finished (``finish``: aborts, streaming requests, global
 captures); whichever comes first. It is then finalized (handed to its consumers) as soon as the copies of
-its steps have landed in host memory, which the forward thread never waits for: a copier behind by a
-second of whole rows would otherwise stall every request of the engine at each finish (measured on an H100).
+its steps have landed in host memory, which the forward thread never waits for: waiting for a second of
+whole rows in flight would stall every request of the engine at each finish (measured on an H100).
 """
 
 import logging
@@ -21,7 +21,7 @@ import torch
 
 from vllm_interp.capture.consumer import CaptureMeta, PendingCapture, RowReduction
 from vllm_interp.capture.dispatch import ConsumerRunner
-from vllm_interp.capture.host_copies import HostCopier, HostCopy, PinnedCopy, as_array, to_host
+from vllm_interp.capture.host_copies import HostCopy, PinnedCopy, as_array, to_host
 from vllm_interp.capture.results import ConsumerResult
 from vllm_interp.capture.spec import CaptureSpec, spec_from_wire
 from vllm_interp.hooks import HOOK_INDEX, HOOKS, site_name
@@ -208,7 +208,6 @@ class CaptureStore:
         self._ending: dict[str, _Entry] = {}  # ended, waiting for the copies of their steps to land
         self._armed_rows: torch.Tensor | None = None  # graph read buffer entries the last step set
         self._armed_sites: frozenset[tuple[int, int]] = frozenset()  # the sites the graph read flags name
-        self._copier: HostCopier | None = None  # device -> host copies of read rows, started on first use
         self._site_index: dict[tuple[tuple[int, int], ...], tuple[torch.Tensor, torch.Tensor]] = {}
         # Steps that read rows, by how the sites read them: inside a replayed CUDA graph, or eagerly.
         self.read_steps = {"graph": 0, "eager": 0}
@@ -339,15 +338,10 @@ class CaptureStore:
             entry.last_step = self._collected
         self._collected += 1
         # Whole rows leave the device only when some request takes them; summaries are reduced here, on it.
-        rows = to_host(block, splits, self._host_copier) if any(e.wants_rows for e in entries) else None
+        rows = to_host(block, splits) if any(e.wants_rows for e in entries) else None
         reductions = frozenset().union(*(e.reductions for e in entries))
-        reduced = {r: to_host(r.reduce(block), splits, self._host_copier) for r in reductions}
+        reduced = {r: to_host(r.reduce(block), splits) for r in reductions}
         self._pending.append(_StepRows(rows, reduced, tuple(sites), plan))
-
-    def _host_copier(self, device: torch.device) -> HostCopier:
-        if self._copier is None:
-            self._copier = HostCopier(device)
-        return self._copier
 
     def _graph_site_index(self, sites: tuple[tuple[int, int], ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """(buffer layer index, hook) of these sites on the device, uploaded once per set of sites."""
@@ -381,8 +375,8 @@ class CaptureStore:
             self._finalize(entry, entry.final_length)
 
     def _file(self, step: _StepRows) -> None:
-        """File a landed step under each request that read in it. Large copies were split per request by the
-        copier: each request takes its own parts and the step lets go of them, so a long request never keeps
+        """File a landed step under each request that read in it. Large copies landed split per request: each
+        request takes its own parts and the step lets go of them, so a long request never keeps
         the others' rows alive. Small ones stay with the step, read as views when a request's rows are gathered:
         filing an every-token step of small summaries costs one tuple per request."""
         entries, ending, large = self._entries, self._ending, step.hand_out()
