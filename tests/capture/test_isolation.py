@@ -95,6 +95,8 @@ def test_filesystem_in_a_process_writes_and_reports_failures(tmp_path):
             assert torch.equal(tensors[site], rows.tensors[site])
         again = submit(runner, rows)  # the collision policy refuses: only this request fails, as in the worker
         assert again.status == "error" and again.message.startswith("FileExistsError: capture 'run/a' already")
+        # The child answered that it keeps nothing of the failed request's block: it is reused, not given up.
+        assert [block.size for block in runner.host._spare] == [2 << 20] and not leftover_blocks(runner.host)
         assert submit(runner, capture("req-2", tag="run/b")).status == "ok"
     finally:
         runner.close()

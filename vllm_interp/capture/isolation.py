@@ -60,7 +60,12 @@ BLOCK_GRAIN = 2 << 20  # blocks are sized in these steps, so requests of similar
 
 
 class ConsumerProcessError(RuntimeError):
-    """A consumer's failure in its process, as ``"ExceptionType: message"``."""
+    """A consumer's failure in its process, as ``"ExceptionType: message"``; ``kept``: whether the consumer
+    still holds the request's block."""
+
+    def __init__(self, message: str, kept: bool = False) -> None:
+        super().__init__(message)
+        self.kept = kept
 
 
 def request_capture(meta: CaptureMeta, block: torch.Tensor) -> RequestCapture:
@@ -169,6 +174,9 @@ class InProcess:
         try:
             try:
                 answer, kept = self._receive(doing)
+            except ConsumerProcessError as exc:
+                kept = exc.kept
+                raise
             finally:
                 # Before the outcome: whoever sees it finds the block reused or gone.
                 if block is not None and kept:
@@ -206,8 +214,7 @@ class InProcess:
         except (EOFError, OSError):
             raise self._exited(doing) from None
         if status == "error":
-            # A failed request's block is given up whatever the child holds of it (failures are rare).
-            raise ConsumerProcessError(value)
+            raise ConsumerProcessError(value, kept)
         return value, kept
 
     def _exited(self, doing: str) -> RuntimeError:
@@ -294,6 +301,10 @@ class _ChildBlocks:
         if mapped is None or len(mapped) != size:  # new, or resized by the worker since
             with open(path, "r+b") as f:
                 mapped = self._mapped[path] = mmap.mmap(f.fileno(), size)
+            if len(self._mapped) > PIPELINE_DEPTH:
+                # The worker has at most that many blocks: it gave up the others (a failed fit or send).
+                for gone in [p for p in self._mapped if not os.path.exists(p)]:
+                    del self._mapped[gone]
         return mapped
 
     def forget(self, path: str) -> None:
