@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from vllm_interp.capture import isolation
 from vllm_interp.capture.consumer import (
     CaptureConsumer,
     CaptureMeta,
@@ -122,6 +123,33 @@ def test_blocks_are_reused_and_rows_are_never_stale():
             assert not leftover_blocks(host)
     finally:
         host.close()
+
+
+def test_a_burst_of_large_requests_leaves_no_large_blocks_behind():
+    host = InProcess(LoggingConsumer, context("logging", **LoggingConsumer.validate_engine_options({})))
+    try:
+        rows = PendingCapture.of(summaries(capture("large", positions=300_000)))
+        large = host.submit(rows)
+        host.settle()
+        assert large.result()["rows"] == 600_000 and [b.size for b in host._spare] == [12 << 20] == [
+            isolation._block_size(rows.nbytes)]
+        big_block = host._spare[0].path
+        host.submit(PendingCapture.of(summaries(capture("small"))))
+        host.settle()
+        assert [b.size for b in host._spare] == [2 << 20] and not os.path.exists(big_block)
+        assert not leftover_blocks(host)
+    finally:
+        host.close()
+
+
+def test_a_block_the_child_cannot_map_fails_that_request_only():
+    blocks = isolation._ChildBlocks()
+    consumer = LoggingConsumer(context("logging", **LoggingConsumer.validate_engine_options({})))
+    rows = summaries(capture("req-1"))
+    shape = (len(SITES), 5, rows.tensors[SITES[0]].shape[-1])
+    status, message, kept = isolation._consume(consumer, blocks, rows.meta, "/dev/shm/no-such-block", 2 << 20,
+                                               shape, torch.float32, [])
+    assert (status, kept) == ("error", False) and message.startswith("FileNotFoundError")
 
 
 class KeepingConsumer(CaptureConsumer):

@@ -27,6 +27,8 @@ import torch
 
 # Small enough that a step's block, held by its requests as views until they finish, wastes little memory.
 PINNED_MAX_BYTES = 1 << 20
+# Larger blocks (every-token whole rows of a decode step are a few MiB) stay in torch's pinned cache.
+PINNED_CACHED_MAX_BYTES = 64 << 20
 
 
 class HostCopy:
@@ -58,7 +60,12 @@ class HostCopy:
         if self.parts is None:
             self._event.synchronize()
             self.parts = split_copies(self._pinned, self.splits)
+            nbytes = self._pinned.numel() * self._pinned.element_size()
             self._pinned = self._event = None
+            if nbytes > PINNED_CACHED_MAX_BYTES:
+                # torch keeps pinned blocks cached for good, rounded up to a power of two: give back what a
+                # rare large block (a long prompt's eager prefill) took, instead of holding it locked.
+                torch._C._host_emptyCache()  # a private name, present in the pinned torch 2.11
 
     def part(self, i: int) -> torch.Tensor:
         """Request ``i``'s rows (after ``wait``)."""

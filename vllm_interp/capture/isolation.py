@@ -108,6 +108,7 @@ class InProcess:
         self.row_reduction = cls.row_reduction
         self._in_flight: deque[tuple[Future, str, _SharedBlock | None]] = deque()  # (future, doing, its block)
         self._spare: list[_SharedBlock] = []  # blocks the child answered for and let go of
+        self._given_up: list[str] = []  # blocks removed since the last message: the child drops its mappings
         self._dir = Path(tempfile.mkdtemp(prefix=f"vllm-interp-{context.name}-",
                                           dir=SHARED_DIR if os.path.isdir(SHARED_DIR) else None))
         ours, theirs = socket.socketpair()
@@ -138,18 +139,24 @@ class InProcess:
                 filled = block.tensor(pending.shape, pending.dtype)
                 pending.fill(filled)
                 del filled  # the worker's view: the block may be resized or released only without one
+            given_up, self._given_up = self._given_up, []
             self._send(("consume", pending.meta, block and block.path, block and block.size, pending.shape,
-                        pending.dtype), doing)
+                        pending.dtype, given_up), doing)
         except BaseException:
             if block is not None:
-                block.release()  # what the child saw of it, if anything, is unknown: never reused
+                self._give_up(block)  # what the child saw of it, if anything, is unknown: never reused
             raise
         future: Future = Future()
         self._in_flight.append((future, doing, block))
         return future
 
     def _block_for(self, nbytes: int) -> "_SharedBlock":
-        """A spare block (the smallest that holds ``nbytes``, else the largest, resized) or a new one."""
+        """A spare block (the smallest that holds ``nbytes``, else the largest, resized) or a new one. Spares
+        over four times the size a block for ``nbytes`` would have are given up (a burst of large requests
+        leaves no large blocks behind)."""
+        for oversized in [b for b in self._spare if b.size > 4 * _block_size(nbytes)]:
+            self._spare.remove(oversized)
+            self._give_up(oversized)
         if self._spare:
             fitting = [b for b in self._spare if b.size >= nbytes]
             block = min(fitting, key=lambda b: b.size) if fitting else max(self._spare, key=lambda b: b.size)
@@ -159,9 +166,13 @@ class InProcess:
         try:
             block.fit(nbytes)
         except BaseException:
-            block.release()
+            self._give_up(block)
             raise
         return block
+
+    def _give_up(self, block: "_SharedBlock") -> None:
+        block.release()
+        self._given_up.append(block.path)
 
     def settle(self) -> None:
         """Wait for the child's answer to every request sent."""
@@ -180,7 +191,7 @@ class InProcess:
             finally:
                 # Before the outcome: whoever sees it finds the block reused or gone.
                 if block is not None and kept:
-                    block.release()
+                    self._give_up(block)
                 elif block is not None:
                     self._spare.append(block)
         except Exception as exc:  # whatever keeps the answer from coming is this request's failure
@@ -230,7 +241,7 @@ class InProcess:
 
     def _stop(self) -> None:
         self._conn.close()
-        for block in self._spare:
+        for block in self._spare + [block for _, _, block in self._in_flight if block is not None]:
             block.release()
         self._spare.clear()
         try:
@@ -256,9 +267,8 @@ class _SharedBlock:
         self._mapped: mmap.mmap | None = None
 
     def fit(self, nbytes: int) -> None:
-        """Size the block for ``nbytes``: grown when smaller, shrunk when over four times larger (so one large
-        request does not hold its pages for good)."""
-        size = -(-nbytes // BLOCK_GRAIN) * BLOCK_GRAIN
+        """Size the block for ``nbytes``: grown when smaller, shrunk when over four times larger."""
+        size = _block_size(nbytes)
         if size <= self.size <= 4 * size:
             return
         if size > self.size:
@@ -285,6 +295,10 @@ class _SharedBlock:
         os.unlink(self.path)
 
 
+def _block_size(nbytes: int) -> int:
+    return -(-nbytes // BLOCK_GRAIN) * BLOCK_GRAIN
+
+
 def _view(mapped: mmap.mmap, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     nbytes = math.prod(shape) * dtype.itemsize
     return torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
@@ -301,15 +315,13 @@ class _ChildBlocks:
         if mapped is None or len(mapped) != size:  # new, or resized by the worker since
             with open(path, "r+b") as f:
                 mapped = self._mapped[path] = mmap.mmap(f.fileno(), size)
-            if len(self._mapped) > PIPELINE_DEPTH:
-                # The worker has at most that many blocks: it gave up the others (a failed fit or send).
-                for gone in [p for p in self._mapped if not os.path.exists(p)]:
-                    del self._mapped[gone]
         return mapped
 
-    def forget(self, path: str) -> None:
-        """The consumer kept rows of this block: they keep the mapping; the worker will not reuse the block."""
-        del self._mapped[path]
+    def forget(self, paths: list[str]) -> None:
+        """Blocks the worker gave up (its consumer kept rows of them, which keep their mappings, or a request
+        failed with them): their pages go once nothing maps them."""
+        for path in paths:
+            self._mapped.pop(path, None)
 
 
 def _serve(conn: Connection) -> None:
@@ -345,10 +357,15 @@ def _outcome(call: Callable[[], Any]) -> tuple[str, Any]:
 
 
 def _consume(consumer: CaptureConsumer, blocks: _ChildBlocks, meta: CaptureMeta, path: str | None,
-             size: int | None, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[str, Any, bool]:
+             size: int | None, shape: tuple[int, ...], dtype: torch.dtype,
+             given_up: list[str]) -> tuple[str, Any, bool]:
+    blocks.forget(given_up)
     if path is None:  # no rows
         return (*_outcome(lambda: consumer.consume(request_capture(meta, torch.empty(shape, dtype=dtype)))), False)
-    mapped = blocks.map(path, size)
+    try:
+        mapped = blocks.map(path, size)
+    except OSError as exc:  # this request's failure; the child keeps serving
+        return "error", f"{type(exc).__name__}: {exc}", False
     unheld = sys.getrefcount(mapped)  # every tensor of the block holds the mapping
     outcome = _outcome(lambda: consumer.consume(request_capture(meta, _view(mapped, shape, dtype))))
     kept = sys.getrefcount(mapped) > unheld
@@ -356,7 +373,7 @@ def _consume(consumer: CaptureConsumer, blocks: _ChildBlocks, meta: CaptureMeta,
         gc.collect()  # a reference cycle the consumer left may be all that holds the rows
         kept = sys.getrefcount(mapped) > unheld
     if kept:
-        blocks.forget(path)
+        blocks.forget([path])
     return (*outcome, kept)
 
 
