@@ -9,12 +9,18 @@
   the frontend's validation and payload (``InterpFrontend.prepare``), and the worker's decoding of the payload
   when the request is admitted (``SteeringVectors.from_wire``).
 
+- Copies off the forward thread, alone and beside a thread that keeps the interpreter lock as a busy forward
+  loop does (pure Python for 2 ms, then a 0.1 ms sleep): a step's ``[layers, requests, hidden]`` bf16 block
+  split per request (a clone each, against ``host_copies.split_copies``), and one request's every-token rows
+  gathered from 512 chunks (numpy, against one ``torch.cat``).
+
 Microseconds or milliseconds per call, medians of five timings of ``--repeats`` calls each.
 """
 
 import argparse
 import json
 import statistics
+import threading
 import time
 from collections.abc import Callable
 
@@ -24,6 +30,7 @@ import torch
 from vllm_interp.capture.consumer import ConsumerContext, EngineFacts
 from vllm_interp.capture.consumers.logging import LoggingConsumer
 from vllm_interp.capture.dispatch import ConsumerRunner
+from vllm_interp.capture.host_copies import as_array, split_copies
 from vllm_interp.capture.isolation import InThread
 from vllm_interp.capture.spec import spec_to_wire, validate_capture_spec
 from vllm_interp.capture.store import CaptureStore
@@ -92,6 +99,40 @@ def steering_ms(args: argparse.Namespace) -> dict[str, float]:
     }
 
 
+def copies_ms(args: argparse.Namespace) -> dict[str, tuple[float, float]]:
+    """Each copy's time alone and beside a busy thread (see the module docstring)."""
+    block = torch.randn(args.layers, args.requests, args.hidden).to(torch.bfloat16)
+    splits = [(i, i + 1) for i in range(args.requests)]
+    chunks = [torch.randn(args.layers, 1, args.hidden).to(torch.bfloat16) for _ in range(512)]
+    arrays = [as_array(chunk) for chunk in chunks]
+    out = torch.empty(args.layers, 512, args.hidden, dtype=torch.bfloat16)
+    calls = {
+        "split, a clone per request": lambda: [block[:, a:b].clone() for a, b in splits],
+        "split, split_copies": lambda: split_copies(block, splits),
+        "gather, np.concatenate": lambda: np.concatenate(arrays, axis=1, out=as_array(out)),
+        "gather, torch.cat": lambda: torch.cat(chunks, dim=1, out=out),
+    }
+    repeats = max(args.repeats // 200, 5)
+    alone = {name: per_call_s(call, repeats) * 1e3 for name, call in calls.items()}
+    stop = threading.Event()
+
+    def busy() -> None:
+        while not stop.is_set():
+            until = time.perf_counter() + 0.002
+            while time.perf_counter() < until:
+                pass
+            time.sleep(0.0001)
+
+    thread = threading.Thread(target=busy, daemon=True)
+    thread.start()
+    try:
+        beside = {name: per_call_s(call, repeats) * 1e3 for name, call in calls.items()}
+    finally:
+        stop.set()
+        thread.join()
+    return {name: (alone[name], beside[name]) for name in calls}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=64)
@@ -105,6 +146,10 @@ def main() -> None:
     print(f"One request's steering of post_block at {args.layers} layers x {args.hidden}:")
     for what, value in steering_ms(args).items():
         print(f"  {what}: {value:.3f}" + ("" if what == "body KB" else " ms"))
+    print(f"Copies off the forward thread, {args.requests} requests x {args.layers} layers x {args.hidden} bf16 "
+          "(alone / beside a busy thread):")
+    for what, (alone, beside) in copies_ms(args).items():
+        print(f"  {what}: {alone:.2f} / {beside:.2f} ms")
 
 
 if __name__ == "__main__":

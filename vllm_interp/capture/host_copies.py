@@ -122,15 +122,19 @@ def start_pinned_copy(block: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Eve
 
 def split_copies(host: torch.Tensor, splits: list[tuple[int, int]]) -> list[torch.Tensor]:
     """Copies of ``host[:, start:stop]`` for each split, made in one call: allocated by numpy and copied by
-    one multi-tensor copy (a clone per request, 64 a step, is 64 torch calls; and every torch call gives up
-    the interpreter lock, which a thread beside a busy forward loop then waits for: 7.8 ms against 0.8 on
-    the dev CPU)."""
+    one multi-tensor copy. A clone per request (64 a step) is 64 torch calls, and each gives up the
+    interpreter lock, which a thread beside a busy forward loop then waits to take back (dev CPU,
+    ``benchmarks/host_costs.py``: 0.26 ms alone, 7.4 beside a busy thread; this 0.25 and 4.4, one wait)."""
     sites, _, hidden = host.shape
-    copies = [torch.from_numpy(np.empty(sites * (stop - start) * hidden * host.element_size(), dtype=np.uint8))
-              .view(host.dtype).view(sites, stop - start, hidden) for start, stop in splits]
+    same_width = _SAME_WIDTH[host.element_size()]  # numpy lacks some of torch's dtypes (bfloat16)
+    copies = [torch.from_numpy(np.empty((sites, stop - start, hidden), dtype=same_width)).view(host.dtype)
+              for start, stop in splits]
     # torch's multi-tensor copy (a private name, present in the pinned torch 2.11).
     torch._foreach_copy_(copies, [host[:, start:stop] for start, stop in splits])
     return copies
+
+
+_SAME_WIDTH = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 
 
 def as_array(tensor: torch.Tensor) -> np.ndarray:

@@ -99,8 +99,8 @@ def _gather(chunks: list["_Chunk"], sites: list[tuple[int, int]], columns: list[
     has a chunk per step it ran in. Summaries are small: numpy views and one copy that keeps the interpreter
     lock (a tensor op per chunk cost 2.3 ms a request on the H100 host, this 1.25). Whole rows are large:
     copied by torch in one call, as numpy gives up the lock for every chunk's copy and, behind a busy forward
-    loop, waits to take it back each time (512 chunks of 16 x 2048 bf16: 2 ms alone, 40 ms beside a busy
-    thread on the dev CPU; torch 2 and 4)."""
+    loop, waits to take it back each time (512 chunks of 16 x 2048 bf16 on the dev CPU: 2.0-2.4 ms alone,
+    36-44 ms beside a busy thread; torch 2.0-2.3 and 2.2-4.4; ``benchmarks/host_costs.py``)."""
     if not block.numel():
         return  # no positions (or no sites) captured
     picks: dict[tuple, np.ndarray | None] = {}
