@@ -113,8 +113,7 @@ def _gather(chunks: list["_Chunk"], sites: list[tuple[int, int]], columns: list[
         copy = own[reduction] if own is not None and reduction in own else step.copy(reduction)
         parts.append((copy, k, picks[step.sites]))
     if reduction is not None:
-        arrays = [_part_array(copy, k) for copy, k, _ in parts]
-        arrays = [a if pick is None else a[pick] for a, (_, _, pick) in zip(arrays, parts, strict=True)]
+        arrays = [_part_array(copy, k) if pick is None else _part_array(copy, k)[pick] for copy, k, pick in parts]
         out = as_array(block)
         if columns is None:
             np.concatenate(arrays, axis=1, out=out)
@@ -138,12 +137,12 @@ def _gather(chunks: list["_Chunk"], sites: list[tuple[int, int]], columns: list[
         torch.index_select(rows, 1, torch.tensor(columns), out=block)
 
 
-def _part_tensor(source: "torch.Tensor | HostCopy | PinnedCopy", k: int) -> torch.Tensor:
+def _part_tensor(source: torch.Tensor | HostCopy | PinnedCopy, k: int) -> torch.Tensor:
     """A chunk's rows: its request's own tensor, or its part of the step's copy."""
     return source if isinstance(source, torch.Tensor) else source.part(k)
 
 
-def _part_array(source: "torch.Tensor | HostCopy | PinnedCopy", k: int) -> np.ndarray:
+def _part_array(source: torch.Tensor | HostCopy | PinnedCopy, k: int) -> np.ndarray:
     return as_array(source) if isinstance(source, torch.Tensor) else source.array_part(k)
 
 
