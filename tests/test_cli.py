@@ -1,6 +1,7 @@
 """The command line: `vllm-interp serve` runs where only the server's dependencies are installed (a GPU host
 with `pip install ".[gpu]"`), without the client extra (httpx, httpx-sse, matplotlib)."""
 
+import os
 import subprocess
 import sys
 
@@ -20,18 +21,28 @@ def test_serve_parses_without_the_client_extra():
     assert done.stdout.strip().splitlines()[-1] == "True True"
 
 
-def test_serve_gives_capture_consumers_a_shutdown_grace_period_unless_told():
+def test_serve_gives_capture_consumers_a_shutdown_grace_period_unless_told(monkeypatch):
     from vllm_interp.cli import build_parser
     from vllm_interp.engine.versions import adapter
 
     serve = adapter("serve")
 
-    def chosen(*flags: str, capturing: bool) -> int:
+    def chosen(*flags: str, capturing: bool) -> tuple[int, str | None]:
+        """The engine's shutdown timeout and the worker's (None: vLLM's default)."""
         args = build_parser().parse_args(["serve", "some-model", *flags])
-        serve.choose_shutdown_timeout(args, capturing=capturing)
-        return args.shutdown_timeout
+        with monkeypatch.context() as env:
+            env.delenv(serve.WORKER_SHUTDOWN_ENV, raising=False)
+            serve.choose_shutdown_timeout(args, capturing=capturing)
+            return args.shutdown_timeout, os.environ.get(serve.WORKER_SHUTDOWN_ENV)
 
-    assert chosen(capturing=True) == serve.CAPTURE_SHUTDOWN_TIMEOUT_S > 0
-    assert chosen(capturing=False) == 0  # vLLM's default
-    assert chosen("--shutdown-timeout", "0", capturing=True) == 0  # the user's choice stands
-    assert chosen("--shutdown-timeout", "7", capturing=False) == 7
+    grace = serve.CAPTURE_SHUTDOWN_TIMEOUT_S
+    assert grace > 0
+    assert chosen(capturing=True) == (grace, str(grace))  # workers get the grace period to close consumers
+    assert chosen(capturing=False) == (0, None)  # vLLM's defaults
+    assert chosen("--shutdown-timeout", "0", capturing=True) == (0, None)  # the user's choice stands
+    assert chosen("--shutdown-timeout", "7", capturing=False) == (7, None)
+    assert chosen("--shutdown-timeout", "7", capturing=True) == (7, "7")
+    monkeypatch.setenv(serve.WORKER_SHUTDOWN_ENV, "3")
+    args = build_parser().parse_args(["serve", "some-model"])
+    serve.choose_shutdown_timeout(args, capturing=True)
+    assert os.environ[serve.WORKER_SHUTDOWN_ENV] == "3"  # the user's setting stands

@@ -13,9 +13,9 @@ LAYERS = [1, 2]
 
 def test_a_stopped_server_publishes_the_last_buffered_shard(smollm2_path, tmp_path):
     root = tmp_path / "captures"
+    log = tmp_path / "server.log"
     url, process = launch_server(
-        [*SERVER_ARGS, "--capture-consumers", f"filesystem:root={root},layout=sharded,shard_mb=64"],
-        tmp_path / "server.log",
+        [*SERVER_ARGS, "--capture-consumers", f"filesystem:root={root},layout=sharded,shard_mb=64"], log
     )
     try:
         for i in range(2):
@@ -26,8 +26,9 @@ def test_a_stopped_server_publishes_the_last_buffered_shard(smollm2_path, tmp_pa
         assert list_captures(root) == []
     finally:
         stop_server(process)  # SIGTERM, as a process manager stops a server
-    assert process.returncode == 0
-    assert list_captures(root) == ["t0", "t1"]
+    shutdown_log = "\n".join(log.read_text().splitlines()[-40:])  # what the server did when stopped
+    assert process.returncode == 0, shutdown_log
+    assert list_captures(root) == ["t0", "t1"], shutdown_log
     for tag in ("t0", "t1"):
         tensors, meta = read_capture(root, tag)
         assert meta["positions"] == list(range(len(PROMPT) + 1))

@@ -7,6 +7,10 @@ from typing import Any
 
 from vllm_interp.engine.touchpoints import Touchpoint, VllmInternalsMismatch, check_touchpoints
 
+# vLLM's engine gives a worker this many seconds (default 5) to exit once told to stop, then SIGTERM, then
+# SIGKILL 4 s later.
+WORKER_SHUTDOWN_ENV = "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"
+
 TOUCHPOINTS = (
     Touchpoint("vllm.entrypoints.cli.serve:ServeSubcommand.subparser_init", "call",
                "`vllm-interp serve` is vLLM's own serve parser with our flags added", params=("subparsers",)),
@@ -20,6 +24,8 @@ TOUCHPOINTS = (
                "vLLM's serve parser needs vLLM's parser class (config files, --help=SECTION)"),
     Touchpoint("vllm.engine.arg_utils:EngineArgs.shutdown_timeout", "read",
                "with capture on, a stopped server waits for consumers to publish instead of vLLM's default kill"),
+    Touchpoint(f"env:{WORKER_SHUTDOWN_ENV}", "env",
+               "how long the engine waits for a worker to exit (its consumers publishing) before killing it"),
 )
 # How long a server with capture consumers, stopped by a signal, lets the engine drain its requests and close
 # its consumers (which publish what they buffer, such as a sharded layout's last shard) before vLLM kills it.
@@ -75,9 +81,14 @@ def defer_shutdown_timeout(parser: argparse.ArgumentParser) -> None:
 
 def choose_shutdown_timeout(args: argparse.Namespace, capturing: bool) -> None:
     """The user's ``--shutdown-timeout`` if given; else ``CAPTURE_SHUTDOWN_TIMEOUT_S`` with capture consumers
-    (vLLM's abort would kill them before they publish what they buffer), vLLM's 0 without."""
+    (vLLM's abort would kill them before they publish what they buffer), vLLM's 0 without. With consumers, a
+    worker also gets that long to exit (unless ``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS`` is set): it closes its
+    consumers on the way out, and a busy host or a large last shard can take longer than vLLM's 5 s, after which
+    the worker is killed and a consumer process finishes publishing after the server has exited."""
     if args.shutdown_timeout is None:
         args.shutdown_timeout = CAPTURE_SHUTDOWN_TIMEOUT_S if capturing else 0
+    if capturing and args.shutdown_timeout > 0:
+        os.environ.setdefault(WORKER_SHUTDOWN_ENV, str(args.shutdown_timeout))
 
 
 def allow_plugins(*names: str) -> None:
