@@ -5,9 +5,10 @@
 - Capture planning for one decode step of ``--requests`` requests that each read every position (``all``) or
   every generated one (``all_generated``) at ``post_block`` of every layer: ``CaptureStore.plan_reads`` and
   ``site_reads``, as the runner calls them before every step.
-- One HTTP request's all-layer steering (``post_block`` of every layer, the compact base64 form): the JSON parse,
-  the frontend's validation and payload (``InterpFrontend.prepare``), and the worker's decoding of the payload
-  when the request is admitted (``SteeringVectors.from_wire``).
+- One HTTP request's work on the API server (``api_server_ms``): an all-layer steered request's JSON parse, its
+  validation and payload (``InterpFrontend.prepare``), the middleware's whole rewrite of its body, and the
+  worker's decoding of the payload when the request is admitted (``SteeringVectors.from_wire``); a request
+  capturing ``last_prompt`` at every site to ``inline``: its rewrite, and its result's way back as JSON.
 
 - Copies off the forward thread, alone and beside a thread that keeps the interpreter lock as a busy forward
   loop does (pure Python for 2 ms, then a 0.1 ms sleep): a step's ``[layers, requests, hidden]`` bf16 block
@@ -18,28 +19,35 @@ Microseconds or milliseconds per call, medians of five timings of ``--repeats`` 
 """
 
 import argparse
+import asyncio
 import json
 import statistics
 import threading
 import time
 from collections.abc import Callable
+from types import SimpleNamespace
 
+import msgspec
 import numpy as np
 import torch
 
 from vllm_interp.capture.consumer import ConsumerContext, EngineFacts
+from vllm_interp.capture.consumers.inline import InlineConsumer, ResidualReadout
 from vllm_interp.capture.consumers.logging import LoggingConsumer
 from vllm_interp.capture.dispatch import ConsumerRunner
 from vllm_interp.capture.host_copies import as_array, split_copies
 from vllm_interp.capture.isolation import InThread
+from vllm_interp.capture.results import ConsumerResult, result_to_json
 from vllm_interp.capture.spec import spec_to_wire, validate_capture_spec
 from vllm_interp.capture.store import CaptureStore
 from vllm_interp.config import InterpConfig
 from vllm_interp.frontend import InterpFrontend
+from vllm_interp.hooks import HOOKS, site_name
 from vllm_interp.models.registry import SiteBank
 from vllm_interp.request_args import EXTRA_ARGS_KEY
 from vllm_interp.row_plan import BatchLayout
 from vllm_interp.server.bodies import parse_json
+from vllm_interp.server.request_fields import RequestFieldsMiddleware
 from vllm_interp.steering.vectors import ModelShape, SteeringVectors, pack_vectors
 
 
@@ -81,22 +89,46 @@ def planning_us(positions: str, args: argparse.Namespace) -> float:
         store.close()
 
 
-def steering_ms(args: argparse.Namespace) -> dict[str, float]:
-    frontend = InterpFrontend.for_engine(InterpConfig(enable_steering=True, capture_consumers=()),
+def api_server_ms(args: argparse.Namespace) -> dict[str, float]:
+    """Per request, on the API server's one event loop: an all-layer steered request (the compact base64 form
+    of ``post_block`` at every layer) and a request capturing ``last_prompt`` at every site to ``inline``, both
+    with a 512-token prompt, as benchmarks/serve.py sends them; the request body's rewrite by the middleware
+    (parse, validation, payload), and the capture results' way back as JSON."""
+    frontend = InterpFrontend.for_engine(InterpConfig(enable_steering=True, capture_consumers=("inline",)),
                                          ModelShape(args.layers, args.hidden))
+    state = SimpleNamespace(vllm_interp_frontend=frontend, vllm_interp_max_model_len=1040)
+    scope = {"app": SimpleNamespace(state=state), "path": "/v1/completions",
+             "headers": [(b"content-type", b"application/json")]}
+    middleware = RequestFieldsMiddleware(None)
     table = np.random.default_rng(0).standard_normal((args.layers, args.hidden)).astype(np.float32)
-    body = json.dumps({"model": "m", "prompt": list(range(512)), "max_tokens": 512, "stream": True,
-                       "steering_vectors": {"post_block": pack_vectors(dict(enumerate(table)))}}).encode()
-    fields = {"steering_vectors": parse_json(body, "application/json")["steering_vectors"]}
+    plain = {"model": "m", "prompt": list(range(100, 612)), "max_tokens": 512, "stream": True}
+    steered = json.dumps({**plain, "steering_vectors": {"post_block": pack_vectors(dict(enumerate(table)))}}).encode()
+    capturing = json.dumps({**plain, "capture": {"inline": {"hooks": "all", "positions": "last_prompt"}}}).encode()
+    fields = {"steering_vectors": parse_json(steered, "application/json")["steering_vectors"]}
     wire = frontend.prepare(fields, None, None, collect=True).payload["steering"]["vectors"]
+    sites = [site_name(layer, hook) for layer in range(args.layers) for hook in HOOKS]
+    rows = {site: torch.randn(1, args.hidden).to(torch.bfloat16) for site in sites}
+    result = ConsumerResult(status="ok", rows=len(sites),
+                            result=ResidualReadout([511], rows, {"positions": [511]}).to_result())
+    loop = asyncio.new_event_loop()
     repeats = max(args.repeats // 10, 20)
-    return {
-        "body KB": len(body) / 1024,
-        "JSON parse": per_call_s(lambda: parse_json(body, "application/json"), repeats) * 1e3,
-        "validation and payload (prepare)": per_call_s(lambda: frontend.prepare(fields, None, None, collect=True),
-                                                       repeats) * 1e3,
-        "worker decode (from_wire)": per_call_s(lambda: SteeringVectors.from_wire(wire), repeats) * 1e3,
-    }
+    try:
+        return {
+            "steered body KB": len(steered) / 1024,
+            "steered: JSON parse": per_call_s(lambda: parse_json(steered, "application/json"), repeats) * 1e3,
+            "steered: validation and payload (prepare)": per_call_s(
+                lambda: frontend.prepare(fields, None, None, collect=True), repeats) * 1e3,
+            "steered: the middleware's whole rewrite": per_call_s(
+                lambda: loop.run_until_complete(middleware._rewrite(scope, steered)), repeats) * 1e3,
+            "steered: the worker's decoding (from_wire)": per_call_s(
+                lambda: SteeringVectors.from_wire(wire), repeats) * 1e3,
+            "capturing: the middleware's whole rewrite": per_call_s(
+                lambda: loop.run_until_complete(middleware._rewrite(scope, capturing)), repeats) * 1e3,
+            f"capturing: {len(sites)} sites' inline result to JSON": per_call_s(
+                lambda: msgspec.json.encode(result_to_json(result, InlineConsumer.result_to_json)), repeats) * 1e3,
+        }
+    finally:
+        loop.close()
 
 
 def copies_ms(args: argparse.Namespace) -> dict[str, tuple[float, float]]:
@@ -143,9 +175,9 @@ def main() -> None:
     print(f"Capture planning, one decode step of {args.requests} requests reading post_block of {args.layers} layers:")
     for positions in ("all", "all_generated"):
         print(f"  positions={positions}: {planning_us(positions, args):.0f} us a step")
-    print(f"One request's steering of post_block at {args.layers} layers x {args.hidden}:")
-    for what, value in steering_ms(args).items():
-        print(f"  {what}: {value:.3f}" + ("" if what == "body KB" else " ms"))
+    print(f"One request on the API server, {args.layers} layers x {args.hidden}:")
+    for what, value in api_server_ms(args).items():
+        print(f"  {what}: {value:.3f}" + ("" if what.endswith("KB") else " ms"))
     print(f"Copies off the forward thread, {args.requests} requests x {args.layers} layers x {args.hidden} bf16 "
           "(alone / beside a busy thread):")
     for what, (alone, beside) in copies_ms(args).items():

@@ -29,11 +29,11 @@ Under pipeline parallelism each stage's instance receives that stage's layers; `
 the stages' results for the caller.
 """
 
-import base64
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import pybase64
 import torch
 
 from vllm_interp.hooks import HOOKS, parse_site_name, site_order
@@ -233,7 +233,7 @@ class CaptureConsumer:
     @classmethod
     def result_to_json(cls, result: dict[str, Any]) -> dict[str, Any]:
         """The result as JSON for an HTTP response; default: bytes values become base64 text."""
-        return {k: base64.b64encode(v).decode("ascii") if isinstance(v, bytes) else v for k, v in result.items()}
+        return {k: pybase64.b64encode_as_string(v) if isinstance(v, bytes) else v for k, v in result.items()}
 
 
 def _no_options(options: dict[str, Any]) -> dict[str, Any]:

@@ -14,13 +14,13 @@ field (``patch.2.source.run``). The normalised ``PatchSpec`` travels in ``extra_
 a digest that keys the prefix cache from the lowest patched position on.
 """
 
-import base64
 import hashlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import pybase64
 
 from vllm_interp.hooks import HOOK_SPELLINGS, canonical_hook, parse_site_name
 from vllm_interp.request_args import MAX_TOKEN_POSITION
@@ -76,7 +76,7 @@ class PatchSpec:
         for e in self.entries:
             wire: dict[str, Any] = {"layer": e.layer, "hook": e.hook, "position": e.position, "alpha": e.alpha}
             if e.vector is not None:
-                wire["vector"] = base64.b64encode(e.vector.astype("<f4").tobytes()).decode()
+                wire["vector"] = pybase64.b64encode_as_string(e.vector.astype("<f4").tobytes())
             else:
                 wire["run"], wire["run_position"] = e.run, e.run_position
             entries.append(wire)
@@ -86,7 +86,7 @@ class PatchSpec:
     def from_wire(cls, wire: Mapping[str, Any]) -> "PatchSpec":
         entries = []
         for e in wire["entries"]:
-            vector = np.frombuffer(base64.b64decode(e["vector"]), dtype="<f4") if "vector" in e else None
+            vector = np.frombuffer(pybase64.b64decode(e["vector"]), dtype="<f4") if "vector" in e else None
             entries.append(PatchEntry(e["layer"], e["hook"], e["position"], e["alpha"], vector, e.get("run"),
                                       e.get("run_position")))
         return cls(tuple(entries), dict(wire.get("runs") or {}))

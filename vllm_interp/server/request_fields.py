@@ -273,7 +273,7 @@ def check_capture_size(state: Any, spec: CaptureSpec, prompt: Any, max_tokens: i
     shape = state.vllm_interp_frontend.steering.shape
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
-    token_ids = isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
+    token_ids = _token_ids(prompt)
 
     def count_prompt() -> int:
         return len(state.engine_client.get_tokenizer().encode(prompt))
@@ -295,7 +295,16 @@ def _max_tokens(data: dict[str, Any]) -> int | None:
 def _several_prompts(data: dict[str, Any]) -> bool:
     """A /v1/completions batch: a list of prompts (text or token lists), not one token list."""
     prompt = data.get("prompt")
-    return isinstance(prompt, list) and len(prompt) > 1 and not all(isinstance(t, int) for t in prompt)
+    return isinstance(prompt, list) and len(prompt) > 1 and not _token_ids(prompt)
+
+
+def _token_ids(prompt: Any) -> bool:
+    """Whether a prompt is one list of token ids (JSON integers), told at C speed (``map(type)``): a 512-token
+    prompt checked item by item in Python costs 30 us, twice per capturing request, on the one event loop."""
+    return isinstance(prompt, list) and _JSON_INTEGERS.issuperset(map(type, prompt))
+
+
+_JSON_INTEGERS = frozenset((int, bool))  # what isinstance(value, int) accepts of what a JSON decoder makes
 
 
 def _has_media(messages: Any) -> bool:

@@ -10,15 +10,15 @@ spelled as TransformerLens does (``hook_resid_post``), and a whole site name (``
 vector of a token is the sum of the global and the request's base and phase tiers.
 """
 
-import base64
 import binascii
-import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Literal
 
+import blake3
 import numpy as np
+import pybase64
 from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError
 
 from vllm_interp.hooks import HOOK_SPELLINGS, Hook, canonical_hook, is_site_name, parse_site_name, site_name
@@ -98,13 +98,14 @@ class SteeringVectors:
 
     @cached_property
     def _digest(self) -> str:
-        # Hashing an all-layer request's vectors takes about 0.1 ms; the frontend asks twice per request.
-        h = hashlib.sha256()
+        # BLAKE3 (vLLM hashes multimodal inputs with it) over one buffer: an all-layer request's vectors at hidden
+        # 2048 take 0.03 ms, against 0.1 for SHA-256 site by site, on the API server's one event loop.
+        parts = []
         for tier in TIERS:
             for name in sorted(self.tiers.get(tier, {})):
-                h.update(f"{tier}/{name}".encode())
-                h.update(np.ascontiguousarray(self.tiers[tier][name], dtype="<f4").tobytes())
-        return h.hexdigest()[:32]
+                vector = np.ascontiguousarray(self.tiers[tier][name], dtype="<f4")
+                parts += [f"{tier}/{name}".encode(), vector.tobytes()]
+        return blake3.blake3(b"".join(parts)).hexdigest()[:32]
 
     def to_wire(self) -> dict[str, dict[str, bytes]]:
         """msgpack-plain form (little-endian float32 bytes per site) for ``extra_args`` and RPCs: msgpack
@@ -151,7 +152,7 @@ def _decode_packed(packed: PackedVectors, where: str, shape: ModelShape) -> dict
     if packed.scales is not None and len(packed.scales) != rows:
         raise SteeringError(f"{where}.scales: {len(packed.scales)} scales for {rows} rows")
     try:
-        raw = base64.b64decode(packed.data, validate=True)
+        raw = pybase64.b64decode(packed.data, validate=True)
     except (binascii.Error, ValueError):
         raise SteeringError(f"{where}.data: not valid base64") from None
     itemsize = 4 if packed.dtype == "float32" else 2
@@ -310,4 +311,4 @@ def pack_vectors(vectors: Mapping[int, Any], dtype: Literal["float32", "bfloat16
     else:  # round to nearest even, keep the upper 16 bits
         bits = matrix.astype("<f4").view("<u4")
         raw = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2").tobytes()
-    return {"dtype": dtype, "shape": list(matrix.shape), "layers": layers, "data": base64.b64encode(raw).decode()}
+    return {"dtype": dtype, "shape": list(matrix.shape), "layers": layers, "data": pybase64.b64encode_as_string(raw)}

@@ -6,19 +6,21 @@ tensors travel from the worker as tensors. Over HTTP the non-streaming response 
 ``[positions, hidden]``; the capture metadata as JSON in the header under ``vllm_interp``).
 """
 
-import base64
 import json
 from dataclasses import dataclass
 from typing import Any
 
+import pybase64
 import torch
-from safetensors.torch import load, save
+from safetensors.torch import load
 
 from vllm_interp.capture.consumer import CaptureConsumer, RequestCapture, merge_stages
 from vllm_interp.capture.packed import pack, unpack
 from vllm_interp.hooks import canonical_hook, parse_site_name, site_name, site_order
 
 METADATA_KEY = "vllm_interp"
+# safetensors' names for the dtypes a residual stream comes in.
+SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64"}
 
 
 @dataclass
@@ -52,9 +54,6 @@ class ResidualReadout:
             raise KeyError(f"hook {hook!r} was not captured")
         return torch.stack([self.tensors[name] for name in names])
 
-    def to_bytes(self) -> bytes:
-        return save(self.tensors, metadata={METADATA_KEY: json.dumps(self.metadata)})
-
     @classmethod
     def from_bytes(cls, blob: bytes) -> "ResidualReadout":
         tensors = load(blob)
@@ -66,7 +65,7 @@ class ResidualReadout:
     def from_result(cls, result: dict[str, Any]) -> "ResidualReadout":
         """From the inline consumer's result: tensors (offline) or the base64 safetensors blob (HTTP)."""
         if "safetensors" in result:
-            return cls.from_bytes(base64.b64decode(result["safetensors"]))
+            return cls.from_bytes(pybase64.b64decode(result["safetensors"]))
         metadata = result["metadata"]
         block = unpack(result["rows"])
         return cls(list(metadata["positions"]), dict(zip(metadata["sites"], block.unbind(0), strict=True)), metadata)
@@ -98,5 +97,22 @@ class InlineConsumer(CaptureConsumer):
 
     @classmethod
     def result_to_json(cls, result: dict[str, Any]) -> dict[str, Any]:
-        blob = ResidualReadout.from_result(result).to_bytes()
-        return {"safetensors": base64.b64encode(blob).decode("ascii")}
+        return {"safetensors": pybase64.b64encode_as_string(safetensors_blob(result))}
+
+
+def safetensors_blob(result: dict[str, Any]) -> bytes:
+    """The safetensors file of an inline result (``to_result``'s form), written directly: its rows are one
+    ``[sites, positions, hidden]`` block already, which is the file's data section as it is, each site's tensor
+    one slice of it. safetensors' own ``save`` spends about 1 ms of Python on 48 tensors, per request on the
+    API server's one event loop; this is a header and one join."""
+    metadata, rows = result["metadata"], result["rows"]
+    sites, data = metadata["sites"], rows["data"]
+    header: dict[str, Any] = {"__metadata__": {METADATA_KEY: json.dumps(metadata)}}
+    if sites:
+        size = len(data) // len(sites)
+        dtype = SAFETENSORS_DTYPES[rows["dtype"]]
+        for i, site in enumerate(sites):
+            header[site] = {"dtype": dtype, "shape": rows["shape"][1:], "data_offsets": [i * size, (i + 1) * size]}
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # as safetensors writes it: the data section starts 8-byte aligned
+    return len(encoded).to_bytes(8, "little") + encoded + data

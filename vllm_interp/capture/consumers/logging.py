@@ -16,11 +16,11 @@ per row off the GPU, not the row. They travel back packed (``capture.packed``: o
 floats for 512 positions at 16 sites) and become lists on the caller's side (``result_from_wire``).
 """
 
-import base64
 import logging
 import math
 from typing import Any, ClassVar
 
+import pybase64
 import torch
 
 from vllm_interp.capture.consumer import CaptureConsumer, ConsumerContext, EngineFacts, RequestCapture, RowReduction
@@ -140,7 +140,7 @@ class LoggingConsumer(CaptureConsumer):
         if "sites" not in result:
             return result
         packed = pack(result["stats"])
-        return {**result, "stats": {**packed, "data": base64.b64encode(packed["data"]).decode("ascii")}}
+        return {**result, "stats": {**packed, "data": pybase64.b64encode_as_string(packed["data"])}}
 
     def _format(self, positions: list[int], stats: torch.Tensor) -> str:
         if not positions:
