@@ -1,6 +1,7 @@
 """Consumers in a process of their own (``isolation=process``): rows through shared memory, results and
 failures back, start-up errors at start-up, a dead child failing its requests only, and a child whose worker
-went away publishing what it buffered. Real child processes, no engine."""
+went away publishing what it buffered. Real child processes, no engine. And in the worker (``isolation=thread``):
+its block memory reused, except what a consumer keeps or a failure may hold."""
 
 import errno
 import json
@@ -23,7 +24,7 @@ from vllm_interp.capture.consumer import (
 from vllm_interp.capture.consumers.filesystem import FilesystemConsumer, list_captures, read_capture
 from vllm_interp.capture.consumers.logging import STATS, LoggingConsumer, row_statistics, stats_lists
 from vllm_interp.capture.dispatch import ConsumerRunner
-from vllm_interp.capture.isolation import PIPELINE_DEPTH, InProcess
+from vllm_interp.capture.isolation import PIPELINE_DEPTH, InProcess, InThread
 from vllm_interp.capture.plugins import configure_consumers
 from vllm_interp.capture.results import ConsumerResult
 
@@ -178,6 +179,49 @@ def test_a_consumer_that_keeps_rows_keeps_them_intact():
             assert not host._spare and not list(host._dir.iterdir())
     finally:
         host.close()
+
+
+def test_in_the_worker_memory_is_reused_and_rows_are_never_stale():
+    host = InThread(LoggingConsumer(context("logging", **LoggingConsumer.validate_engine_options({}))))
+    memories = []
+    for i in range(6):
+        rows = summaries(capture(f"req-{i}" + "x" * i, positions=3 + i))
+        stats = LoggingConsumer.result_from_wire(host.submit(PendingCapture.of(rows)).result())["stats"]
+        assert stats == {s: stats_lists(rows.tensors[s]) for s in SITES}
+        memories.append(host._spare)
+    # The first request's memory is its exact size (the consumer might keep it); then one block serves all.
+    assert memories[0].size == PendingCapture.of(summaries(capture("req-0", positions=3))).nbytes
+    assert all(m is memories[1] for m in memories[1:]) and memories[1].size == isolation.BLOCK_GRAIN
+
+
+def test_in_the_worker_a_consumer_that_keeps_rows_keeps_them_intact_at_their_size():
+    host = InThread(KeepingConsumer(context("keeping")))
+    sums = []
+    for i in range(4):
+        rows = capture(f"req-{i}" + "x" * i)
+        sums.append(float(rows.tensors[SITES[0]].sum()))
+        assert host.submit(PendingCapture.of(rows)).result()["sums"] == pytest.approx(sums, rel=1e-6)
+        assert host._spare is None and not host._reuse
+    # Each kept request holds memory of its own size, not a reusable block's.
+    assert [t.untyped_storage().nbytes() for t in host.consumer.kept] == [PendingCapture.of(capture("r")).nbytes] * 4
+
+
+class FailingConsumer(CaptureConsumer):
+    def consume(self, capture: RequestCapture) -> dict:
+        if capture.meta.request_id == "fails":
+            raise ValueError("refused")
+        return {"first": float(capture.tensors[SITES[0]][0, 0])}
+
+
+def test_in_the_worker_a_failed_requests_memory_is_not_reused():
+    """Its exception's traceback may hold the rows; the request after it gets fresh memory and its own rows."""
+    host = InThread(FailingConsumer(context("failing")))
+    with pytest.raises(ValueError, match="refused"):
+        host.submit(PendingCapture.of(capture("fails"))).result()
+    assert host._spare is None
+    rows = capture("next")
+    assert host.submit(PendingCapture.of(rows)).result() == {"first": float(rows.tensors[SITES[0]][0, 0])}
+    assert host._spare is not None and host._reuse
 
 
 def test_a_constructor_error_fails_at_start_naming_the_consumer(tmp_path):

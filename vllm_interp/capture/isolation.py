@@ -17,7 +17,8 @@ about what the disk's write of it costs (H100 host, a 34 MB request: 4 ms to res
 faults to gather into it, against 6.5 ms into pages already mapped). A consumer may keep a request's tensors
 past ``consume``: the child sees that the block is still referenced when ``consume`` returns and answers so,
 and the worker then gives that block up (its pages live on in the child until the consumer lets go) rather
-than reuse it. So keeping rows is correct but costs a fresh block; the built-in consumers copy what they keep.
+than reuse it. So keeping rows is correct but costs a fresh block; ``filesystem`` copies what it buffers.
+``InThread`` tells a kept block the same way (``patch_source``, on the worker's thread, holds its sources).
 
 The child is started with ``subprocess`` (vLLM's worker processes are daemonic, and daemonic processes may
 not start ``multiprocessing`` children), builds its consumer from the pickled class and context, and reports
@@ -40,6 +41,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from vllm_interp.capture.consumer import CaptureConsumer, CaptureMeta, ConsumerContext, PendingCapture, RequestCapture
@@ -74,23 +76,46 @@ def request_capture(meta: CaptureMeta, block: torch.Tensor) -> RequestCapture:
 
 
 class InThread:
-    """The consumer runs on its runner's thread; blocks are ordinary memory."""
+    """The consumer runs on its runner's thread; blocks are ordinary memory, one reused from request to request
+    (sized in ``BLOCK_GRAIN`` steps, as shared blocks are): a fresh block costs a large request its page faults
+    every time. Whether the consumer keeps a request's rows past ``consume`` (a tensor of them still holds the
+    block's memory afterwards; no GC pass here, on the worker) is told from its first request, which gets
+    memory of its exact size; a consumer that keeps rows gets exactly sized fresh memory from then on, so
+    what it keeps (patch sources keep theirs) costs what it did before reuse."""
 
     def __init__(self, consumer: CaptureConsumer) -> None:
         self.consumer = consumer
         self.context = consumer.context
         self.row_reduction = type(consumer).row_reduction
+        self._spare: np.ndarray | None = None
+        self._reuse: bool | None = None  # unknown until its first request; False once it keeps rows
 
     def submit(self, pending: PendingCapture) -> Future:
         """Consume ``pending`` now; the future holds the consumer's result or its exception."""
         future: Future = Future()
+        memory = self._memory_for(pending.nbytes)
+        unheld = sys.getrefcount(memory)
         try:
-            block = torch.empty(pending.shape, dtype=pending.dtype)
+            block = _view(memory, pending.shape, pending.dtype)
             pending.fill(block)
             future.set_result(self.consumer.consume(request_capture(pending.meta, block)))
         except Exception as exc:
             future.set_exception(exc)
+            return future  # the failure's traceback may hold the rows: the memory is not reused
+        del block
+        kept = sys.getrefcount(memory) > unheld
+        self._reuse = self._reuse is not False and not kept
+        if not kept:
+            self._spare = memory
         return future
+
+    def _memory_for(self, nbytes: int) -> np.ndarray:
+        spare, self._spare = self._spare, None
+        if not self._reuse:  # unknown yet, or a consumer that keeps rows
+            return np.empty(nbytes, dtype=np.uint8)
+        if spare is not None and nbytes <= spare.size <= 4 * _block_size(nbytes):
+            return spare
+        return np.empty(_block_size(nbytes), dtype=np.uint8)
 
     def settle(self) -> None:
         """Nothing is ever outstanding here."""
@@ -299,9 +324,11 @@ def _block_size(nbytes: int) -> int:
     return -(-nbytes // BLOCK_GRAIN) * BLOCK_GRAIN
 
 
-def _view(mapped: mmap.mmap, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def _view(memory: mmap.mmap | np.ndarray, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A ``shape`` block of ``dtype`` at the start of ``memory``. The tensor, and every view of it, holds a
+    reference to ``memory``: that is how a block a consumer kept is told."""
     nbytes = math.prod(shape) * dtype.itemsize
-    return torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+    return torch.from_numpy(np.frombuffer(memory, dtype=np.uint8, count=nbytes)).view(dtype).view(shape)
 
 
 class _ChildBlocks:

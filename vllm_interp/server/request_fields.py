@@ -373,7 +373,11 @@ class _ResultStream:
         if message["type"] != "http.response.body" or self._pass_through:
             await self._send(message)
             return
-        data, out = self._partial + message.get("body", b""), []
+        body = message.get("body", b"")
+        if not self._partial and self._held is None and message.get("more_body", False) and _one_token(body):
+            await self._send(message)  # vLLM's usual message, one token's whole event: passed on as it came
+            return
+        data, out = self._partial + body, []
         while not self._pass_through and (end := data.find(EVENT_END)) >= 0:
             out.append(await self._on_event(data[:end]))
             data = data[end + len(EVENT_END):]
@@ -426,6 +430,11 @@ class _ResultStream:
     def _release(self) -> bytes:
         held, self._held = self._held, None
         return held[0] if held else b""
+
+
+def _one_token(body: bytes) -> bool:
+    """Whether a body message is exactly one event, ``_plainly_a_token``."""
+    return body.find(EVENT_END) == len(body) - len(EVENT_END) and _plainly_a_token(body)
 
 
 def _plainly_a_token(event: bytes) -> bool:
