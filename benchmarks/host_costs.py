@@ -8,7 +8,10 @@
 - One HTTP request's work on the API server (``api_server_ms``): an all-layer steered request's JSON parse, its
   validation and payload (``InterpFrontend.prepare``), the middleware's whole rewrite of its body, and the
   worker's decoding of the payload when the request is admitted (``SteeringVectors.from_wire``); a request
-  capturing ``last_prompt`` at every site to ``inline``: its rewrite, and its result's way back as JSON.
+  capturing ``last_prompt`` at every site to ``inline``: its rewrite, and its result's way back as JSON; one
+  token's event of a capturing stream through the middleware (microseconds).
+- One request's rows (512 positions) handed to an ``isolation=thread`` consumer: fresh memory against the
+  reused block.
 
 - Copies off the forward thread, alone and beside a thread that keeps the interpreter lock as a busy forward
   loop does (pure Python for 2 ms, then a 0.1 ms sleep): a step's ``[layers, requests, hidden]`` bf16 block
@@ -31,7 +34,14 @@ import msgspec
 import numpy as np
 import torch
 
-from vllm_interp.capture.consumer import ConsumerContext, EngineFacts
+from vllm_interp.capture.consumer import (
+    CaptureConsumer,
+    CaptureMeta,
+    ConsumerContext,
+    EngineFacts,
+    PendingCapture,
+    RequestCapture,
+)
 from vllm_interp.capture.consumers.inline import InlineConsumer, ResidualReadout
 from vllm_interp.capture.consumers.logging import LoggingConsumer
 from vllm_interp.capture.dispatch import ConsumerRunner
@@ -41,13 +51,13 @@ from vllm_interp.capture.results import ConsumerResult, result_to_json
 from vllm_interp.capture.spec import spec_to_wire, validate_capture_spec
 from vllm_interp.capture.store import CaptureStore
 from vllm_interp.config import InterpConfig
-from vllm_interp.frontend import InterpFrontend
+from vllm_interp.frontend import InterpFrontend, PreparedRequest
 from vllm_interp.hooks import HOOKS, site_name
 from vllm_interp.models.registry import SiteBank
 from vllm_interp.request_args import EXTRA_ARGS_KEY
 from vllm_interp.row_plan import BatchLayout
 from vllm_interp.server.bodies import parse_json
-from vllm_interp.server.request_fields import RequestFieldsMiddleware
+from vllm_interp.server.request_fields import RequestFieldsMiddleware, _ResultStream
 from vllm_interp.steering.vectors import ModelShape, SteeringVectors, pack_vectors
 
 
@@ -131,6 +141,56 @@ def api_server_ms(args: argparse.Namespace) -> dict[str, float]:
         loop.close()
 
 
+def in_thread_ms(args: argparse.Namespace) -> dict[str, float]:
+    """A request of 512 positions x ``--layers`` sites x ``--hidden`` bf16 handed to an ``isolation=thread``
+    consumer that does nothing: into fresh memory (as every request was before blocks were reused) and into
+    the reused block."""
+    sites = [site_name(layer, "post_block") for layer in range(args.layers)]
+    meta = CaptureMeta(request_id="r", tag=None, model="m", prompt_len=256, positions=list(range(512)),
+                       sites=sites, dtype="bfloat16")
+    pending = PendingCapture.of(RequestCapture(meta, {s: torch.randn(512, args.hidden).to(torch.bfloat16)
+                                                      for s in sites}))
+    host = InThread(NullConsumer(ConsumerContext("null", {}, "m", num_layers=args.layers, hidden_size=args.hidden)))
+
+    def fresh() -> None:
+        host._spare = None
+        host.submit(pending).result()
+
+    repeats = max(args.repeats // 200, 5)
+    return {f"{pending.nbytes / 1e6:.0f} MB into fresh memory": per_call_s(fresh, repeats) * 1e3,
+            "into the reused block": per_call_s(lambda: host.submit(pending).result(), repeats) * 1e3}
+
+
+class NullConsumer(CaptureConsumer):
+    def consume(self, capture: RequestCapture) -> dict:
+        return {}
+
+
+def stream_event_us(args: argparse.Namespace) -> float:
+    """One token's event of a capturing stream through the middleware (a compact event, as vLLM writes them)."""
+    event = b"data: " + json.dumps({
+        "id": "cmpl-1a2b3c4d5e6f", "object": "text_completion", "created": 1764290000, "model": "m",
+        "choices": [{"index": 0, "text": " hello", "logprobs": None, "finish_reason": None, "stop_reason": None}],
+        "usage": None}, separators=(",", ":")).encode() + b"\n\n"
+
+    async def sent(message: dict) -> None:
+        pass
+
+    stream = _ResultStream(sent, None, PreparedRequest({}, "key", ("inline",)), strip_usage=False)
+    message = {"type": "http.response.body", "body": event, "more_body": True}
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(stream.send({"type": "http.response.start", "status": 200}))
+
+        async def events() -> None:
+            for _ in range(1000):
+                await stream.send(message)
+
+        return per_call_s(lambda: loop.run_until_complete(events()), max(args.repeats // 100, 5)) * 1e3
+    finally:
+        loop.close()
+
+
 def copies_ms(args: argparse.Namespace) -> dict[str, tuple[float, float]]:
     """Each copy's time alone and beside a busy thread (see the module docstring)."""
     block = torch.randn(args.layers, args.requests, args.hidden).to(torch.bfloat16)
@@ -178,6 +238,10 @@ def main() -> None:
     print(f"One request on the API server, {args.layers} layers x {args.hidden}:")
     for what, value in api_server_ms(args).items():
         print(f"  {what}: {value:.3f}" + ("" if what.endswith("KB") else " ms"))
+    print(f"A capturing stream's token event through the middleware: {stream_event_us(args):.2f} us")
+    print("One request's rows to an isolation=thread consumer that does nothing:")
+    for what, value in in_thread_ms(args).items():
+        print(f"  {what}: {value:.1f} ms")
     print(f"Copies off the forward thread, {args.requests} requests x {args.layers} layers x {args.hidden} bf16 "
           "(alone / beside a busy thread):")
     for what, (alone, beside) in copies_ms(args).items():
