@@ -10,6 +10,7 @@
   worker's decoding of the payload when the request is admitted (``SteeringVectors.from_wire``); a request
   capturing ``last_prompt`` at every site to ``inline``: its rewrite, and its result's way back as JSON; one
   token's event of a capturing stream through the middleware (microseconds).
+- The worker admitting a request whose all-layer steering config is new (its table rows written), per config.
 - One request's rows (512 positions) handed to an ``isolation=thread`` consumer: fresh memory against the
   reused block.
 
@@ -58,6 +59,7 @@ from vllm_interp.request_args import EXTRA_ARGS_KEY
 from vllm_interp.row_plan import BatchLayout
 from vllm_interp.server.bodies import parse_json
 from vllm_interp.server.request_fields import RequestFieldsMiddleware, _ResultStream
+from vllm_interp.steering.tables import SteeringTables, table_rows
 from vllm_interp.steering.vectors import ModelShape, SteeringVectors, pack_vectors
 
 
@@ -139,6 +141,31 @@ def api_server_ms(args: argparse.Namespace) -> dict[str, float]:
         }
     finally:
         loop.close()
+
+
+def new_config_ms(args: argparse.Namespace) -> float:
+    """The worker admitting a request whose all-layer steering config is new (``SteeringTables.lookup``: its
+    slot's prefill and decode rows written), per config, over 128 distinct configs in a bf16 table."""
+    configs = 128
+    bank = SiteBank(layers=list(range(args.layers)), steer_index=torch.zeros(8, dtype=torch.long),
+                    steer_table=torch.zeros(args.layers, 3, table_rows(configs), args.hidden, dtype=torch.bfloat16),
+                    patch_index=torch.zeros(args.layers, 3, 1, dtype=torch.long),
+                    patch_values=torch.zeros(1, args.hidden), patch_alpha=torch.zeros(1),
+                    read_slot=torch.full((1,), -1), read_flags=torch.zeros(args.layers, 3),
+                    read_out=torch.zeros(args.layers, 3, 0, args.hidden))
+    rng = np.random.default_rng(0)
+    requests = []
+    for _ in range(configs):
+        vectors = SteeringVectors({"base": {site_name(layer, "post_block"): rng.standard_normal(args.hidden)
+                                            .astype(np.float32) for layer in range(args.layers)}})
+        requests.append({EXTRA_ARGS_KEY: {"steering": {"vectors": vectors.to_wire(), "digest": vectors.digest()}}})
+
+    def admit_all() -> None:
+        tables = SteeringTables(bank, configs)
+        for i, extra_args in enumerate(requests):
+            tables.lookup(f"req-{i}", extra_args)
+
+    return per_call_s(admit_all, max(args.repeats // 1000, 3)) / configs * 1e3
 
 
 def in_thread_ms(args: argparse.Namespace) -> dict[str, float]:
@@ -238,6 +265,7 @@ def main() -> None:
     print(f"One request on the API server, {args.layers} layers x {args.hidden}:")
     for what, value in api_server_ms(args).items():
         print(f"  {what}: {value:.3f}" + ("" if what.endswith("KB") else " ms"))
+    print(f"The worker admitting a new all-layer steering config (its table rows): {new_config_ms(args):.3f} ms")
     print(f"A capturing stream's token event through the middleware: {stream_event_us(args):.2f} us")
     print("One request's rows to an isolation=thread consumer that does nothing:")
     for what, value in in_thread_ms(args).items():
