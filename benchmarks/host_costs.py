@@ -53,14 +53,14 @@ from vllm_interp.capture.spec import spec_to_wire, validate_capture_spec
 from vllm_interp.capture.store import CaptureStore
 from vllm_interp.config import InterpConfig
 from vllm_interp.frontend import InterpFrontend, PreparedRequest
-from vllm_interp.hooks import HOOKS, site_name
+from vllm_interp.hooks import HOOKS, ModelShape, site_name
 from vllm_interp.models.registry import SiteBank
 from vllm_interp.request_args import EXTRA_ARGS_KEY
 from vllm_interp.row_plan import BatchLayout
 from vllm_interp.server.bodies import parse_json
 from vllm_interp.server.request_fields import RequestFieldsMiddleware, _ResultStream
 from vllm_interp.steering.tables import SteeringTables, table_rows
-from vllm_interp.steering.vectors import ModelShape, SteeringVectors, pack_vectors
+from vllm_interp.steering.vectors import SteeringVectors, pack_vectors
 
 
 def per_call_s(call: Callable[[], object], repeats: int) -> float:

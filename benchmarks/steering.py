@@ -19,7 +19,8 @@ from vllm import LLM as VllmLLM
 
 from benchmarks.common import engine_parser, engine_setup
 from vllm_interp import LLM, pack_vectors, steered_params
-from vllm_interp.steering.vectors import ModelShape, validate_steering
+from vllm_interp.hooks import ModelShape
+from vllm_interp.steering.vectors import validate_steering
 
 
 def spec_for(seed: int, layers: int, hidden: int) -> dict:

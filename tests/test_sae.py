@@ -13,8 +13,9 @@ from vllm_interp import steered_params
 from vllm_interp.capture.spec import CaptureSpecError
 from vllm_interp.config import InterpConfig
 from vllm_interp.frontend import InterpFrontend
+from vllm_interp.hooks import ModelShape
 from vllm_interp.sae import SaeError, load_sae
-from vllm_interp.steering.vectors import ModelShape, SteeringError
+from vllm_interp.steering.vectors import SteeringError
 
 D_IN, D_SAE = 8, 12
 

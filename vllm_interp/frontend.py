@@ -22,11 +22,12 @@ from vllm_interp.capture.plugins import consumer_class
 from vllm_interp.capture.results import ConsumerResult, ResultCollector
 from vllm_interp.capture.spec import CaptureSpec, spec_to_wire, validate_capture_spec
 from vllm_interp.config import FrontendLimits, InterpConfig
+from vllm_interp.hooks import ModelShape
 from vllm_interp.patching.spec import PatchSpec, validate_patch
 from vllm_interp.patching.tables import PATCH_RESULT
 from vllm_interp.sae import load_saes
 from vllm_interp.steering.state import SteeringState
-from vllm_interp.steering.vectors import ModelShape, SteeringVectors
+from vllm_interp.steering.vectors import SteeringVectors
 
 RESULTS_TIMEOUT_S = 600.0
 SOURCES_RPC = "interp_patch_sources"

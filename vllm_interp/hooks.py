@@ -13,11 +13,21 @@ TransformerLens names the same sites ``blocks.{layer}.hook_resid_pre`` / ``hook_
 """
 
 import re
+from dataclasses import dataclass
 from typing import Literal
 
 Hook = Literal["pre_attn", "post_attn", "post_block"]
 HOOKS: tuple[Hook, ...] = ("pre_attn", "post_attn", "post_block")
 HOOK_INDEX: dict[str, int] = {hook: i for i, hook in enumerate(HOOKS)}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The grid of sites a model has (``num_layers`` x ``HOOKS``) and their width, as the engine reports them:
+    every subsystem checks specs against it."""
+
+    num_layers: int
+    hidden_size: int
 
 Naming = Literal["vllm_interp", "transformer_lens"]
 NAMINGS: tuple[Naming, ...] = ("vllm_interp", "transformer_lens")

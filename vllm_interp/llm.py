@@ -29,13 +29,14 @@ from vllm_interp.frontend import (
     combined_generations,
     merged_sources,
 )
+from vllm_interp.hooks import ModelShape
 from vllm_interp.patching.params import raw_patch
 from vllm_interp.patching.spec import PatchError, PatchSpec
 from vllm_interp.patching.tables import PATCH_RESULT
 from vllm_interp.request_args import EXTRA_ARGS_KEY
 from vllm_interp.steering.contrastive import ContrastiveVectors, contrastive_vectors, validate_contrastive
 from vllm_interp.steering.params import raw_steering_fields
-from vllm_interp.steering.vectors import ModelShape, SteeringVectors
+from vllm_interp.steering.vectors import SteeringVectors
 
 SpecArg = dict[str, Any] | Sequence[dict[str, Any] | None] | None
 

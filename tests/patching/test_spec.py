@@ -2,8 +2,8 @@
 
 import pytest
 
+from vllm_interp.hooks import ModelShape
 from vllm_interp.patching.spec import PatchError, validate_patch
-from vllm_interp.steering.vectors import ModelShape
 
 SHAPE = ModelShape(num_layers=4, hidden_size=8)
 

@@ -31,12 +31,13 @@ from vllm_interp.capture.limits import check_capture_bytes
 from vllm_interp.capture.spec import CaptureSpecError, validate_capture_spec
 from vllm_interp.config import FrontendLimits
 from vllm_interp.frontend import InterpFrontend
+from vllm_interp.hooks import ModelShape
 from vllm_interp.patching.sources import SourceRun, SourceStore
 from vllm_interp.server.auth import require_key
 from vllm_interp.server.bodies import MAX_JSON_DEPTH
 from vllm_interp.server.request_fields import RequestFieldsMiddleware
 from vllm_interp.steering.state import SteeringState
-from vllm_interp.steering.vectors import ModelShape, SteeringError
+from vllm_interp.steering.vectors import SteeringError
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 PROMPT = "The capital of France is"

@@ -14,10 +14,10 @@ from starlette.datastructures import State
 from vllm_interp.capture.consumers.logging import STATS, LoggingConsumer
 from vllm_interp.capture.packed import pack
 from vllm_interp.frontend import InterpFrontend, ResultsPoller
+from vllm_interp.hooks import ModelShape
 from vllm_interp.request_args import HTTP_PAYLOAD
 from vllm_interp.server.request_fields import RequestFieldsMiddleware
 from vllm_interp.steering.state import SteeringState
-from vllm_interp.steering.vectors import ModelShape
 
 USAGE = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
 # The logging consumer's result as a worker sends it (statistics packed), and as the client receives it.

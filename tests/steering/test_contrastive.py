@@ -84,7 +84,8 @@ def test_http_endpoint_equals_transformers_and_registers_with_a_key(server, smol
     assert answer.status_code == 200, answer.text
     data = answer.json()
     assert data["name"] is None and data["layers"] == LAYERS and set(data["norms"]) == {"3", "12"}
-    from vllm_interp.steering.vectors import ModelShape, validate_steering_tier
+    from vllm_interp.hooks import ModelShape
+    from vllm_interp.steering.vectors import validate_steering_tier
 
     vectors = validate_steering_tier({"post_block": data["vectors"]}, where="vectors", shape=ModelShape(30, 576))
     assert_vectors_close({layer: vectors[f"{layer}.post_block"] for layer in LAYERS},

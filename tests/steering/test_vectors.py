@@ -8,10 +8,11 @@ from safetensors.numpy import save_file
 
 from vllm_interp import pack_vectors
 from vllm_interp.frontend import InterpFrontend
+from vllm_interp.hooks import ModelShape
 from vllm_interp.server.request_fields import RequestFieldsMiddleware
 from vllm_interp.steering.files import load_named_file, parse_named_file
 from vllm_interp.steering.state import SteeringState
-from vllm_interp.steering.vectors import ModelShape, SteeringError, SteeringVectors, validate_steering
+from vllm_interp.steering.vectors import SteeringError, SteeringVectors, validate_steering
 
 SHAPE = ModelShape(num_layers=4, hidden_size=8)
 

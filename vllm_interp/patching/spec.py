@@ -22,9 +22,9 @@ from typing import Any
 import numpy as np
 import pybase64
 
-from vllm_interp.hooks import HOOK_SPELLINGS, canonical_hook, parse_site_name
+from vllm_interp.hooks import HOOK_SPELLINGS, ModelShape, canonical_hook, parse_site_name
 from vllm_interp.request_args import MAX_TOKEN_POSITION
-from vllm_interp.steering.vectors import ModelShape, SteeringError, entry_vector
+from vllm_interp.steering.vectors import SteeringError, entry_vector
 
 FIELD = "patch"
 

@@ -13,11 +13,11 @@ from starlette.datastructures import State
 from vllm_interp.config import FrontendLimits, InterpConfig
 from vllm_interp.engine.versions import adapter
 from vllm_interp.frontend import InterpFrontend, ResultsPoller
+from vllm_interp.hooks import ModelShape
 from vllm_interp.server import patch_routes, steering_routes
 from vllm_interp.server.auth import configured_keys
 from vllm_interp.server.request_fields import RequestFieldsMiddleware
 from vllm_interp.steering.files import load_named_file, parse_named_file
-from vllm_interp.steering.vectors import ModelShape
 
 PLUGIN_NAME = "vllm_interp_http"
 

@@ -20,8 +20,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
 
 from vllm_interp.capture.consumers.inline import ResidualReadout
-from vllm_interp.hooks import Hook, canonical_hook, site_name
-from vllm_interp.steering.vectors import ModelShape, SteeringError, pack_vectors
+from vllm_interp.hooks import Hook, ModelShape, canonical_hook, site_name
+from vllm_interp.steering.vectors import SteeringError, pack_vectors
 
 CAPTURE_POSITIONS = {"last_prompt": "last_prompt", "mean_prompt": "all_prompt"}
 CONSUMER = "inline"

@@ -21,7 +21,15 @@ import numpy as np
 import pybase64
 from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError
 
-from vllm_interp.hooks import HOOK_SPELLINGS, Hook, canonical_hook, is_site_name, parse_site_name, site_name
+from vllm_interp.hooks import (
+    HOOK_SPELLINGS,
+    Hook,
+    ModelShape,
+    canonical_hook,
+    is_site_name,
+    parse_site_name,
+    site_name,
+)
 from vllm_interp.sae import SparseAutoencoder
 
 Tier = Literal["base", "prefill", "decode"]
@@ -57,12 +65,6 @@ class ScaledVector(BaseModel):
 
     vector: list[float]
     scale: float = 1.0
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    num_layers: int
-    hidden_size: int
 
 
 @dataclass(frozen=True)
