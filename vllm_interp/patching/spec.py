@@ -24,7 +24,7 @@ import pybase64
 
 from vllm_interp.hooks import HOOK_SPELLINGS, ModelShape, canonical_hook, parse_site_name
 from vllm_interp.request_args import MAX_TOKEN_POSITION
-from vllm_interp.steering.vectors import SteeringError, entry_vector
+from vllm_interp.site_vectors import check_site_vector, entry_vector
 
 FIELD = "patch"
 
@@ -118,14 +118,8 @@ def _source(raw: Any, where: str, shape: ModelShape, run_generation: Callable[[s
             raise PatchError(f"{where}.zeros: must be true")
         return np.zeros(shape.hidden_size, dtype=np.float32), None, None, None
     if kind == "vector":
-        try:
-            vector = entry_vector(raw["vector"], f"{where}.vector")
-        except SteeringError as exc:
-            raise PatchError(str(exc)) from None
-        if vector.shape != (shape.hidden_size,):
-            raise PatchError(f"{where}.vector: expected {shape.hidden_size} values, got {vector.size}")
-        if not np.isfinite(vector).all():
-            raise PatchError(f"{where}.vector: values must be finite (got NaN or infinity)")
+        vector = entry_vector(raw["vector"], f"{where}.vector", PatchError)
+        check_site_vector(vector, f"{where}.vector", shape.hidden_size, PatchError)
         return vector.astype(np.float32), None, None, None
     run = raw["run"]
     if not isinstance(run, str) or not run:

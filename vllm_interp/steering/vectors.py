@@ -31,6 +31,7 @@ from vllm_interp.hooks import (
     site_name,
 )
 from vllm_interp.sae import SparseAutoencoder
+from vllm_interp.site_vectors import check_site_vector, entry_vector
 
 Tier = Literal["base", "prefill", "decode"]
 TIERS: tuple[Tier, ...] = ("base", "prefill", "decode")
@@ -40,9 +41,6 @@ REQUEST_FIELDS: dict[Tier, str] = {
     "prefill": "prefill_steering_vectors",
     "decode": "decode_steering_vectors",
 }
-
-
-FLOAT32_MAX = float(np.finfo(np.float32).max)  # a Python float: compares with any int without overflow
 
 
 class SteeringError(ValueError):
@@ -57,14 +55,6 @@ class PackedVectors(BaseModel):
     layers: list[int]
     data: str
     scales: list[float] | None = None
-
-
-class ScaledVector(BaseModel):
-    # Strict: a numeric string or a boolean is an error, not a number (an integer is fine).
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    vector: list[float]
-    scale: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -168,37 +158,6 @@ def _decode_packed(packed: PackedVectors, where: str, shape: ModelShape) -> dict
     return {layer: matrix[i] * np.float32(scales[i]) for i, layer in enumerate(packed.layers)}
 
 
-def _float_list(raw: Any) -> np.ndarray | None:
-    """A JSON list of numbers as float32, or None if it is not one (numpy parses it far faster than
-    pydantic, which then only explains what is wrong)."""
-    if not isinstance(raw, list) or any(isinstance(x, bool | str) for x in raw):
-        return None
-    try:
-        array = np.asarray(raw, dtype=np.float32)
-    except (TypeError, ValueError, OverflowError):  # an integer beyond any float: pydantic names it
-        return None
-    return array if array.ndim == 1 else None
-
-
-def entry_vector(raw: Any, where: str) -> np.ndarray:
-    if (array := _float_list(raw)) is not None:
-        return array
-    if isinstance(raw, dict) and set(raw) <= {"vector", "scale"}:
-        array, scale = _float_list(raw.get("vector")), raw.get("scale", 1.0)
-        if array is not None and isinstance(scale, float | int) and not isinstance(scale, bool) \
-                and abs(scale) <= FLOAT32_MAX:
-            return array * np.float32(scale)
-    try:
-        if isinstance(raw, dict):
-            entry = ScaledVector.model_validate(raw)
-            return np.asarray(entry.vector, dtype=np.float32) * np.float32(entry.scale)
-        return np.asarray(ScaledVector(vector=raw).vector, dtype=np.float32)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        loc = ".".join(str(p) for p in first["loc"] if p != "vector")
-        raise SteeringError(f"{where}{'.' + loc if loc else ''}: {first['msg']}") from None
-
-
 def validate_steering_tier(raw: Any, *, where: str, shape: ModelShape,
                            saes: Mapping[str, SparseAutoencoder] | None = None) -> dict[str, np.ndarray]:
     """One tier's spec -> site name -> vector. Checks hooks, layers, sizes, finiteness; ``where`` is the
@@ -215,10 +174,7 @@ def validate_steering_tier(raw: Any, *, where: str, shape: ModelShape,
         for layer, hook, vector, entry_where in _tier_entries(key, value, key_where, shape, saes or {}):
             if not 0 <= layer < shape.num_layers:
                 raise SteeringError(f"{entry_where}: layer out of range [0, {shape.num_layers})")
-            if vector.shape != (shape.hidden_size,):
-                raise SteeringError(f"{entry_where}: expected {shape.hidden_size} values, got {vector.size}")
-            if not np.isfinite(vector).all():
-                raise SteeringError(f"{entry_where}: values must be finite (got NaN or infinity)")
+            check_site_vector(vector, entry_where, shape.hidden_size, SteeringError)
             name = site_name(layer, hook)
             if name in sites:
                 raise SteeringError(f"{entry_where}: site {name} is given twice in this tier")
@@ -257,7 +213,7 @@ def _tier_entries(key: Any, value: Any, where: str, shape: ModelShape, saes: Map
 def _entry(raw: Any, where: str, layer: int, hook: Hook, saes: Mapping[str, SparseAutoencoder]) -> np.ndarray:
     if isinstance(raw, Mapping) and "sae" in raw:
         return sae_feature_vector(raw, where, site_name(layer, hook), saes)
-    return entry_vector(raw, where)
+    return entry_vector(raw, where, SteeringError)
 
 
 class FeatureEntry(BaseModel):
