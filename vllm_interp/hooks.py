@@ -29,6 +29,7 @@ class ModelShape:
     num_layers: int
     hidden_size: int
 
+
 Naming = Literal["vllm_interp", "transformer_lens"]
 NAMINGS: tuple[Naming, ...] = ("vllm_interp", "transformer_lens")
 TRANSFORMER_LENS_HOOKS: dict[str, Hook] = {
