@@ -74,12 +74,14 @@ def per_call_s(call: Callable[[], object], repeats: int) -> float:
     return statistics.median(timings)
 
 
+def site_bank(layers: int, hidden: int, *, steer_rows: int, dtype: torch.dtype) -> SiteBank:
+    """A CPU engine's site buffers for ``layers`` layers (no patching, no graph reads)."""
+    return SiteBank.allocate(list(range(layers)), hidden_size=hidden, dtype=dtype, device=torch.device("cpu"),
+                             max_tokens=8, steer_rows=steer_rows, patch_slots=1, graph_read_rows=0)
+
+
 def capture_store(layers: int, hidden: int) -> CaptureStore:
-    bank = SiteBank(layers=list(range(layers)), steer_index=torch.zeros(8, dtype=torch.long),
-                    steer_table=torch.zeros(layers, 3, 1, hidden),
-                    patch_index=torch.zeros(layers, 3, 1, dtype=torch.long),
-                    patch_values=torch.zeros(1, hidden), patch_alpha=torch.zeros(1), read_slot=torch.full((1,), -1),
-                    read_flags=torch.zeros(layers, 3), read_out=torch.zeros(layers, 3, 0, hidden))
+    bank = site_bank(layers, hidden, steer_rows=1, dtype=torch.float32)
     context = ConsumerContext("logging", LoggingConsumer.validate_engine_options({}), "m", num_layers=layers,
                               hidden_size=hidden)
     runner = ConsumerRunner(InThread(LoggingConsumer(context)), policy="block", queue_bytes=1 << 20)
@@ -147,12 +149,7 @@ def new_config_ms(args: argparse.Namespace) -> float:
     """The worker admitting a request whose all-layer steering config is new (``SteeringTables.lookup``: its
     slot's prefill and decode rows written), per config, over 128 distinct configs in a bf16 table."""
     configs = 128
-    bank = SiteBank(layers=list(range(args.layers)), steer_index=torch.zeros(8, dtype=torch.long),
-                    steer_table=torch.zeros(args.layers, 3, table_rows(configs), args.hidden, dtype=torch.bfloat16),
-                    patch_index=torch.zeros(args.layers, 3, 1, dtype=torch.long),
-                    patch_values=torch.zeros(1, args.hidden), patch_alpha=torch.zeros(1),
-                    read_slot=torch.full((1,), -1), read_flags=torch.zeros(args.layers, 3),
-                    read_out=torch.zeros(args.layers, 3, 0, args.hidden))
+    bank = site_bank(args.layers, args.hidden, steer_rows=table_rows(configs), dtype=torch.bfloat16)
     rng = np.random.default_rng(0)
     requests = []
     for _ in range(configs):

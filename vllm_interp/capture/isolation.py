@@ -113,7 +113,7 @@ class InThread:
         spare, self._spare = self._spare, None
         if not self._reuse:  # unknown yet, or a consumer that keeps rows
             return np.empty(nbytes, dtype=np.uint8)
-        if spare is not None and nbytes <= spare.size <= 4 * _block_size(nbytes):
+        if spare is not None and _serves(spare.size, nbytes):
             return spare
         return np.empty(_block_size(nbytes), dtype=np.uint8)
 
@@ -293,9 +293,9 @@ class _SharedBlock:
 
     def fit(self, nbytes: int) -> None:
         """Size the block for ``nbytes``: grown when smaller, shrunk when over four times larger."""
-        size = _block_size(nbytes)
-        if size <= self.size <= 4 * size:
+        if _serves(self.size, nbytes):
             return
+        size = _block_size(nbytes)
         if size > self.size:
             try:
                 # Reserve the pages first: a write through a mapping /dev/shm cannot back is a SIGBUS.
@@ -322,6 +322,12 @@ class _SharedBlock:
 
 def _block_size(nbytes: int) -> int:
     return -(-nbytes // BLOCK_GRAIN) * BLOCK_GRAIN
+
+
+def _serves(size: int, nbytes: int) -> bool:
+    """Whether a block of ``size`` bytes takes a request of ``nbytes`` as it is: large enough, and not over four
+    times the block the request would get (one large request does not hold its pages for good)."""
+    return nbytes <= size <= 4 * _block_size(nbytes)
 
 
 def _view(memory: mmap.mmap | np.ndarray, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -148,6 +148,24 @@ class SiteBank:
     def descriptor(self) -> dict[str, object]:
         return {"layers": self.layers, "hooks": list(HOOKS)}
 
+    @classmethod
+    def allocate(cls, held: list[int], *, hidden_size: int, dtype: torch.dtype, device: torch.device,
+                 max_tokens: int, steer_rows: int, patch_slots: int, graph_read_rows: int) -> "SiteBank":
+        """Zeroed buffers for the held layers (the sizes as ``install_sites`` describes them)."""
+        # Patching off: one-token index rows suffice (the op never reads them).
+        index_width = max_tokens if patch_slots > 1 else 1
+        return cls(
+            layers=held,
+            steer_index=torch.zeros(max_tokens, dtype=torch.long, device=device),
+            steer_table=torch.zeros(len(held), len(HOOKS), steer_rows, hidden_size, dtype=dtype, device=device),
+            patch_index=torch.zeros(len(held), len(HOOKS), index_width, dtype=torch.long, device=device),
+            patch_values=torch.zeros(patch_slots, hidden_size, dtype=dtype, device=device),
+            patch_alpha=torch.zeros(patch_slots, dtype=dtype, device=device),
+            read_slot=torch.full((max_tokens if graph_read_rows else 1,), -1, dtype=torch.long, device=device),
+            read_flags=torch.zeros(len(held), len(HOOKS), dtype=torch.int32, device=device),
+            read_out=torch.zeros(len(held), len(HOOKS), graph_read_rows, hidden_size, dtype=dtype, device=device),
+        )
+
 
 def install_sites(
     model: nn.Module,
@@ -176,19 +194,8 @@ def install_sites(
     held = [index for index, layer in enumerate(layers) if is_held(layer)]
     if not held:
         raise UnsupportedArchitecture(f"{architecture}: found no decoder layers at {sites.layers!r}")
-    # Patching off: one-token index rows suffice (the op never reads them).
-    index_width = max_tokens if patch_slots > 1 else 1
-    bank = SiteBank(
-        layers=held,
-        steer_index=torch.zeros(max_tokens, dtype=torch.long, device=device),
-        steer_table=torch.zeros(len(held), len(HOOKS), steer_rows, hidden_size, dtype=dtype, device=device),
-        patch_index=torch.zeros(len(held), len(HOOKS), index_width, dtype=torch.long, device=device),
-        patch_values=torch.zeros(patch_slots, hidden_size, dtype=dtype, device=device),
-        patch_alpha=torch.zeros(patch_slots, dtype=dtype, device=device),
-        read_slot=torch.full((max_tokens if graph_read_rows else 1,), -1, dtype=torch.long, device=device),
-        read_flags=torch.zeros(len(held), len(HOOKS), dtype=torch.int32, device=device),
-        read_out=torch.zeros(len(held), len(HOOKS), graph_read_rows, hidden_size, dtype=dtype, device=device),
-    )
+    bank = SiteBank.allocate(held, hidden_size=hidden_size, dtype=dtype, device=device, max_tokens=max_tokens,
+                             steer_rows=steer_rows, patch_slots=patch_slots, graph_read_rows=graph_read_rows)
     for position, index in enumerate(held):
         buffers = hook_points.LayerBuffers(
             layer=index,

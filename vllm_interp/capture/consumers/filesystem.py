@@ -309,8 +309,9 @@ class FilesystemConsumer(CaptureConsumer):
         }
 
     def _write_sharded(self, base: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:
+        sizes = [t.numel() * t.element_size() for t in tensors.values()]
         # As laid out in shard memory, so that a request that fits the shard fits its buffer.
-        nbytes = sum(_aligned(t.numel() * t.element_size()) for t in tensors.values())
+        nbytes = sum(map(_aligned, sizes))
         if self._pending and self._pending_bytes + nbytes > self.shard_bytes:
             self._flush()
         shard = _shard_path(self.root, self._next_shard)
@@ -330,7 +331,7 @@ class FilesystemConsumer(CaptureConsumer):
             "pending": True,  # in the buffer, or in the writer's hands: durable once its index line is appended
             "path": str(shard),
             "files": [str(shard)],
-            "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+            "bytes": sum(sizes),
         }
 
     @property
