@@ -1,6 +1,6 @@
 """Host-side costs per step and per request, without an engine: what vllm-interp's Python adds where vLLM waits.
 
-    python -m benchmarks.host_costs [--requests 64] [--layers 16] [--hidden 2048] [--repeats 2000]
+    python -m benchmarks.host_costs [--requests 64] [--layers 16] [--hidden 2048] [--repeats 2000] [--device cpu]
 
 - Capture planning for one decode step of ``--requests`` requests that each read every position (``all``) or
   every generated one (``all_generated``) at ``post_block`` of every layer: ``CaptureStore.plan_reads`` and
@@ -10,7 +10,8 @@
   worker's decoding of the payload when the request is admitted (``SteeringVectors.from_wire``); a request
   capturing ``last_prompt`` at every site to ``inline``: its rewrite, and its result's way back as JSON; one
   token's event of a capturing stream through the middleware (microseconds).
-- The worker admitting a request whose all-layer steering config is new (its table rows written), per config.
+- The worker admitting a request whose all-layer steering config is new (its table rows written), per config;
+  ``--device cuda`` puts that table on the GPU (host time, uploads included).
 - One request's rows (512 positions) handed to an ``isolation=thread`` consumer: fresh memory against the
   reused block.
 
@@ -74,9 +75,10 @@ def per_call_s(call: Callable[[], object], repeats: int) -> float:
     return statistics.median(timings)
 
 
-def site_bank(layers: int, hidden: int, *, steer_rows: int, dtype: torch.dtype) -> SiteBank:
-    """A CPU engine's site buffers for ``layers`` layers (no patching, no graph reads)."""
-    return SiteBank.allocate(list(range(layers)), hidden_size=hidden, dtype=dtype, device=torch.device("cpu"),
+def site_bank(layers: int, hidden: int, *, steer_rows: int, dtype: torch.dtype,
+              device: str = "cpu") -> SiteBank:
+    """An engine's site buffers for ``layers`` layers (no patching, no graph reads)."""
+    return SiteBank.allocate(list(range(layers)), hidden_size=hidden, dtype=dtype, device=torch.device(device),
                              max_tokens=8, steer_rows=steer_rows, patch_slots=1, graph_read_rows=0)
 
 
@@ -146,10 +148,12 @@ def api_server_ms(args: argparse.Namespace) -> dict[str, float]:
 
 
 def new_config_ms(args: argparse.Namespace) -> float:
-    """The worker admitting a request whose all-layer steering config is new (``SteeringTables.lookup``: its
-    slot's prefill and decode rows written), per config, over 128 distinct configs in a bf16 table."""
+    """The worker admitting a request whose all-layer steering config is new (``SteeringTables.lookup``, and its
+    slot's prefill and decode rows written), per config, over 128 distinct configs in a bf16 table admitted
+    together (as a burst of requests is, a step's worth at a time)."""
     configs = 128
-    bank = site_bank(args.layers, args.hidden, steer_rows=table_rows(configs), dtype=torch.bfloat16)
+    bank = site_bank(args.layers, args.hidden, steer_rows=table_rows(configs), dtype=torch.bfloat16,
+                     device=args.device)
     rng = np.random.default_rng(0)
     requests = []
     for _ in range(configs):
@@ -161,6 +165,7 @@ def new_config_ms(args: argparse.Namespace) -> float:
         tables = SteeringTables(bank, configs)
         for i, extra_args in enumerate(requests):
             tables.lookup(f"req-{i}", extra_args)
+        tables.upload_pending()  # all at once, as before the step that admits them
 
     return per_call_s(admit_all, max(args.repeats // 1000, 3)) / configs * 1e3
 
@@ -255,6 +260,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=2000)
+    parser.add_argument("--device", default="cpu", help="where the steering table of the new-config cost lives")
     args = parser.parse_args()
     print(f"Capture planning, one decode step of {args.requests} requests reading post_block of {args.layers} layers:")
     for positions in ("all", "all_generated"):

@@ -52,12 +52,14 @@ def test_slot_rows_hold_global_plus_request_vectors_per_phase_and_nothing_of_a_l
         assert torch.equal(table[:, :, row], _expected_row(global_vectors, phase)), phase
     first = _vectors(1, base=["2.post_attn", "1.post_block", "0.pre_attn"], prefill=["0.post_block"])
     slot = tables.lookup("a", _request(first, "first"))
+    tables.upload_pending()  # as the step's index load does
     for phase in ("prefill", "decode"):
         assert torch.equal(table[:, :, slot.row(phase)], _expected_row(global_vectors + first, phase)), phase
     # The slot freed, then taken by vectors at other sites (base only: both phases alike).
     tables.forget_finished(set())
     second = _vectors(2, base=["2.pre_attn"])
     reused = tables.lookup("b", _request(second, "second"))
+    tables.upload_pending()
     assert reused.index == slot.index
     for phase in ("prefill", "decode"):
         assert torch.equal(table[:, :, reused.row(phase)], _expected_row(global_vectors + second, phase)), phase
