@@ -85,7 +85,7 @@ class PatchTables:
                 error = f"position {entry.position} is not a prompt position (the prompt has {prompt_len} tokens)"
                 break
             if entry.vector is not None:
-                rows.append(torch.tensor(entry.vector))  # a copy: the wire buffer is read-only
+                rows.append(entry.vector)
                 continue
             if entry.run not in runs:
                 runs[entry.run] = self.sources.acquire(entry.run, spec.run_generations[entry.run].split("|"), req_id)
@@ -94,20 +94,22 @@ class PatchTables:
             if row is None:
                 error = _missing_row(entry.run, run, site, entry.run_position)
                 break
-            rows.append(row.float())
+            rows.append(row.float().numpy())
         if error is None and len(mine) > self.slots:
             error = f"{len(mine)} patches exceed the {self.slots} patch slots of a step (--max-patch-rows)"
         self.sources.release(req_id)  # the rows are copied below: the request no longer needs the runs
         if error is not None or not mine:
             mine, rows = [], []
-        values = torch.stack(rows).to(device=device, dtype=dtype) if rows else torch.zeros(0, width, dtype=dtype,
-                                                                                           device=device)
+        # Staged through pinned memory and converted on the device: a plain ``.to(device)`` from pageable memory
+        # would make the stream wait for the step in flight, on every patched request's admission.
+        values = (to_device(np.stack(rows).astype(np.float32, copy=False), device).to(dtype) if rows
+                  else torch.zeros(0, width, dtype=dtype, device=device))
         return _Patched(
             key=key,
             layer_slots=np.array([self.bank.layer_index[e.layer] for e in mine], dtype=np.int64),
             hooks=np.array([HOOK_INDEX[e.hook] for e in mine], dtype=np.int64),
             positions=np.array([e.position for e in mine], dtype=np.int64),
-            alphas=torch.tensor([e.alpha for e in mine], dtype=dtype).to(device),
+            alphas=to_device(np.array([e.alpha for e in mine], dtype=np.float32), device).to(dtype),
             values=values,
             error=error,
         )
