@@ -106,6 +106,9 @@ class InterpFrontend:
         # Merging a request's results needs each name's class; a patch status has no payload to merge.
         self.result_classes = {**self.consumers, PATCH_RESULT: CaptureConsumer}
         self.engine = EngineFacts(steering.shape.num_layers, steering.saes)
+        # Brings the server-wide steering state up to date before a request is prepared: a no-op in one process;
+        # several API servers share it through server/shared_steering.py.
+        self.sync_steering: Callable[[], None] = lambda: None
 
     def validate_capture(self, raw: Any, field: str = "capture") -> CaptureSpec:
         """A request's capture spec, checked against this engine (errors name ``field``)."""
@@ -117,6 +120,7 @@ class InterpFrontend:
 
     def prepare(self, steering_fields: Mapping[str, Any], capture: CaptureSpec | None, patch: PatchSpec | None,
                 *, collect: bool) -> PreparedRequest:
+        self.sync_steering()
         own = self.steering.request_vectors(steering_fields)
         payload: dict[str, Any] = {}
         if not own.is_empty:

@@ -81,6 +81,6 @@ def test_live_state_is_checked_by_attribute_path():
     assert "GPUModelRunner.input_batch.req_ids" not in message
 
 
-def test_the_api_server_count_refuses_flags_it_does_not_know():
+def test_the_engine_count_refuses_flags_it_does_not_know():
     with pytest.raises(VllmInternalsMismatch, match="no longer has --headless"):
-        serve.api_server_count(argparse.Namespace(api_server_count=None, data_parallel_size=1))
+        serve.engine_count(argparse.Namespace(data_parallel_size=1))

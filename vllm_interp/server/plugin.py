@@ -17,6 +17,7 @@ from vllm_interp.hooks import ModelShape
 from vllm_interp.server import patch_routes, steering_routes
 from vllm_interp.server.auth import configured_keys
 from vllm_interp.server.request_fields import RequestFieldsMiddleware
+from vllm_interp.server.shared_steering import SharedSteering
 from vllm_interp.steering.files import load_named_file, parse_named_file
 
 PLUGIN_NAME = "vllm_interp_http"
@@ -44,7 +45,10 @@ class InterpEndpoints:
         for flag in getattr(args, "steering_vectors", None) or []:
             name, path = parse_named_file(flag)
             frontend.steering.register(name, load_named_file(path))
-        state.vllm_interp_steering = frontend.steering
+        shared = SharedSteering.for_server(frontend.steering)
+        shared.adopt_or_publish()
+        frontend.sync_steering = shared.refresh
+        state.vllm_interp_shared_steering = shared
         state.vllm_interp_frontend = frontend
         state.vllm_interp_results = ResultsPoller.for_engine(engine_client)
         state.vllm_interp_api_keys = configured_keys(getattr(args, "steering_api_key", None))

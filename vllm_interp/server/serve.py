@@ -5,6 +5,10 @@ folds our flags into ``worker_cls`` and ``additional_config`` and hands the name
 """
 
 import argparse
+import atexit
+import os
+import shutil
+import tempfile
 
 from vllm_interp.config import (
     DEFAULT_MAX_CAPTURE_BYTES_PER_REQUEST,
@@ -25,6 +29,7 @@ from vllm_interp.engine.args import check_model_architecture, interp_engine_args
 from vllm_interp.engine.versions import adapter
 from vllm_interp.server.auth import API_KEY_ENV
 from vllm_interp.server.plugin import PLUGIN_NAME
+from vllm_interp.server.shared_steering import ENV as SHARED_STEERING_ENV
 from vllm_interp.steering.files import parse_named_file
 
 
@@ -116,7 +121,8 @@ def serve(command, args: argparse.Namespace) -> None:
         saes=tuple(args.sae),
     )
     if config.hooks_needed:
-        _refuse_several_api_servers(args)
+        _refuse_several_engines(args)
+    _share_steering_state()
     args.model = resolve_model(args.model_tag or args.model)
     args.model_tag = None
     if config.hooks_needed:
@@ -127,16 +133,31 @@ def serve(command, args: argparse.Namespace) -> None:
     adapter("serve").choose_shutdown_timeout(args, capturing=bool(config.capture_consumers))
     adapter("serve").allow_plugins("vllm_interp", PLUGIN_NAME)
     command.validate(args)
+    # vLLM pickles the namespace into each API-server process it spawns (--api-server-count N): what only our
+    # dispatch uses (a closure, the terminal stream) would not pickle, and those processes do not dispatch.
+    for ours in ("dispatch_function", "terminal"):
+        vars(args).pop(ours, None)
     command.cmd(args)
 
 
-def _refuse_several_api_servers(args: argparse.Namespace) -> None:
-    """Global steering, named vectors and the patch-source bookkeeping live in the API-server process: several
-    API servers would each keep their own copy, and a request would see whichever its server holds."""
-    count = adapter("serve").api_server_count(args)
-    if count > 1:
+def _refuse_several_engines(args: argparse.Namespace) -> None:
+    """Several API servers in front of one engine share their steering state (server/shared_steering.py);
+    several engines would each need the global vectors and answer for their own requests' results, which
+    vllm-interp does not do."""
+    engines = adapter("serve").engine_count(args)
+    if engines > 1:
         raise ValueError(
-            f"vllm-interp features need a single API server, but these flags start {count} (--api-server-count, or "
-            "data parallelism's default of one per rank): each would keep its own global steering and named "
-            "vectors. Pass --api-server-count 1 (--data-parallel-multi-port-external-lb always starts several)"
+            f"vllm-interp features need one engine behind the API servers, but these flags start {engines} "
+            "(data parallelism): each would need the global steering vectors and answer for its own requests' "
+            "capture results. Use tensor or pipeline parallelism, or one vllm-interp server per replica "
+            "(--api-server-count N is fine)"
         )
+
+
+def _share_steering_state() -> None:
+    """A private directory for this server's API servers' shared steering state, named to them in the
+    environment (which vLLM's API-server processes inherit), removed when this process exits. Always a new
+    one: an inherited name would join another server's state."""
+    directory = tempfile.mkdtemp(prefix="vllm-interp-steering-")
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    os.environ[SHARED_STEERING_ENV] = directory

@@ -28,6 +28,7 @@ from vllm_interp.server.protocol import (
     error_body,
 )
 from vllm_interp.server.request_fields import check_capture_size, field_error_response
+from vllm_interp.server.shared_steering import SharedSteering
 from vllm_interp.steering.contrastive import ContrastiveRequest, contrastive_vectors, validate_contrastive
 from vllm_interp.steering.state import SteeringState
 from vllm_interp.steering.vectors import SteeringError, SteeringVectors
@@ -35,8 +36,15 @@ from vllm_interp.steering.vectors import SteeringError, SteeringVectors
 router = APIRouter(prefix="/v1/steering")
 
 
+def _shared(request: Request) -> SharedSteering:
+    return request.app.state.vllm_interp_shared_steering
+
+
 def _state(request: Request) -> SteeringState:
-    return request.app.state.vllm_interp_steering
+    """This server's steering state, with every API server's changes so far."""
+    shared = _shared(request)
+    shared.refresh()
+    return shared.state
 
 
 async def _body(request: Request, model: type[BaseModel]) -> BaseModel:
@@ -62,7 +70,8 @@ async def _mutating(request: Request, model: type[BaseModel], action) -> Any:
     """Shared shape of every mutating endpoint: key check, body validation, action, errors as 400."""
     require_key(request, request.app.state.vllm_interp_api_keys)
     try:
-        return await action(await _body(request, model))
+        body = await _body(request, model)
+        return await _shared(request).change(lambda: action(body))
     except BodyError as exc:
         return exc.response()
     except _BadRequest as exc:
@@ -146,10 +155,13 @@ async def contrastive_vector(request: Request) -> Any:
     try:
         body = validate_contrastive(raw, shape=frontend.steering.shape, consumers=list(frontend.consumers))
         if body.name is not None:
-            frontend.steering.check_room(body.name)  # before the prompts run, not after
+            _state(request).check_room(body.name)  # before the prompts run, not after
         result = contrastive_vectors(body, await _readouts(state, body), frontend.steering.shape.num_layers)
         if body.name is not None:
-            frontend.steering.register(body.name, {"vectors": result.steering_spec()})
+            async def register() -> None:
+                _state(request).register(body.name, {"vectors": result.steering_spec()})
+
+            await _shared(request).change(register)
     except (SteeringError, CaptureSpecError) as exc:
         return field_error_response(exc)
     return result.to_json()

@@ -1,5 +1,5 @@
-"""The ``serve`` subcommand's internals: vLLM's parser and runner, its CLI environment, how many API servers
-its flags start, and which plugins ``VLLM_PLUGINS`` lets load."""
+"""The ``serve`` subcommand's internals: vLLM's parser and runner, its CLI environment, how many engines its
+API servers front for these flags, and which plugins ``VLLM_PLUGINS`` lets load."""
 
 import argparse
 import os
@@ -31,8 +31,8 @@ TOUCHPOINTS = (
 # its consumers (which publish what they buffer, such as a sharded layout's last shard) before vLLM kills it.
 # vLLM's own default, 0, aborts requests and kills the engine's whole process tree at once.
 CAPTURE_SHUTDOWN_TIMEOUT_S = 30
-# Flags whose meaning api_server_count reads (vLLM's data-parallel launch rules).
-API_SERVER_FLAGS = ("api_server_count", "headless", "data_parallel_size", "data_parallel_size_local",
+# Flags whose meaning engine_count reads (vLLM's data-parallel launch rules).
+DATA_PARALLEL_FLAGS = ("headless", "data_parallel_size", "data_parallel_size_local",
                     "data_parallel_rank", "data_parallel_start_rank", "data_parallel_external_lb",
                     "data_parallel_hybrid_lb", "data_parallel_multi_port_external_lb")
 
@@ -56,17 +56,16 @@ def cli_env_setup() -> None:
     setup()
 
 
-def api_server_count(args: argparse.Namespace) -> int:
-    """How many API-server processes ``vllm serve`` starts for these flags: ``--api-server-count`` when given;
-    else, with data parallelism, one per rank it balances (all ranks, the local ones in hybrid mode, one per
-    local rank under --data-parallel-multi-port-external-lb), and one for an externally balanced rank."""
-    if missing := [flag for flag in API_SERVER_FLAGS if not hasattr(args, flag)]:
+def engine_count(args: argparse.Namespace) -> int:
+    """How many engines (data-parallel ranks) the API servers that ``vllm serve`` starts for these flags
+    front: every rank under vLLM's internal load balancing, the local ones in hybrid mode, one per local rank
+    under --data-parallel-multi-port-external-lb (a server each, all started by this process), and one for an
+    externally balanced rank or a headless one."""
+    if missing := [flag for flag in DATA_PARALLEL_FLAGS if not hasattr(args, flag)]:
         raise VllmInternalsMismatch(f"vllm serve no longer has --{missing[0].replace('_', '-')}: vllm-interp "
-                                    "cannot tell how many API servers these flags start")
+                                    "cannot tell how many engines these flags start")
     if args.data_parallel_multi_port_external_lb:
-        return args.data_parallel_size_local or 1  # one server per local rank, whatever --api-server-count says
-    if args.api_server_count is not None:
-        return args.api_server_count
+        return args.data_parallel_size_local or 1
     if args.headless or args.data_parallel_external_lb or args.data_parallel_rank is not None:
         return 1
     if args.data_parallel_hybrid_lb or args.data_parallel_start_rank is not None:
