@@ -2,7 +2,9 @@
 vllm_interp.LLM's methods).
 
 Every mutating endpoint (set, clear, vectors/register, vectors/unregister, vectors/contrastive with ``name``)
-checks the API key before anything else it can; bodies are read through ``vllm_interp.server.bodies``."""
+checks the API key before anything else it can; bodies are read through ``vllm_interp.server.bodies``. Changes
+run through ``SharedSteering.change`` and reads start with its ``refresh``, so that with several API servers
+(``--api-server-count N``) every server answers with the same vectors."""
 
 import asyncio
 from typing import Any
