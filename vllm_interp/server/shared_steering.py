@@ -82,9 +82,7 @@ class SharedSteering:
             try:
                 self.refresh()
                 result = await action()
-                self._store()
-                self._seen = self._generation() + 1
-                _COUNTER.pack_into(self._counter, 0, self._seen)
+                self._publish()
                 return result
             finally:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
@@ -97,13 +95,17 @@ class SharedSteering:
             if self._generation():
                 self.refresh()
             else:
-                self._store()
-                self._seen = 1
-                _COUNTER.pack_into(self._counter, 0, self._seen)
+                self._publish()
         finally:
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
 
     # -- the file ------------------------------------------------------------------------------------
+    def _publish(self) -> None:
+        """Store this server's state and bump the counter past it (the caller holds the file lock)."""
+        self._store()
+        self._seen = self._generation() + 1
+        _COUNTER.pack_into(self._counter, 0, self._seen)
+
     def _store(self) -> None:
         arrays = {f"global/{tier}/{site}": vector for tier, sites in self.state.global_vectors.tiers.items()
                   for site, vector in sites.items()}
