@@ -11,7 +11,7 @@ the runner fills before each step:
 - **read**: when the site's ``read_flags`` entry is set, a row whose ``read_slot`` is ``s >= 0`` stores the
   resulting stream into row ``s`` of the site's ``read_out`` buffer, which the runner copies off after the step.
 
-Rows the buffers do not name are loaded and left alone: the results equal the eager op's (site_ops.py) bit for
+Rows the buffers do not name are neither loaded nor written: the results equal the eager op's (site_ops.py) bit for
 bit for alpha 0 or 1 and steering, and to one rounding for other alphas.
 """
 
@@ -28,16 +28,26 @@ def _site_kernel(hidden_ptr, residual_ptr, hidden_stride, residual_stride, width
                  HAS_RESIDUAL: tl.constexpr, HIDDEN_IN_USE: tl.constexpr, PATCH: tl.constexpr,
                  STEER: tl.constexpr, READ: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < width
-    hidden_at = hidden_ptr + row * hidden_stride + cols
-    hidden = tl.load(hidden_at, mask=mask)
-    residual = hidden
-    residual_at = residual_ptr + row * residual_stride + cols
-    if HAS_RESIDUAL:
-        residual = tl.load(residual_at, mask=mask)
+    # The row's slots first: a row no buffer names (every row of an idle engine, most rows of a busy one)
+    # reads three integers and never loads the stream, which every site of every replayed step would pay.
+    slot = 0
+    steer_row = 0
+    read_slot = -1
     if PATCH:
         slot = tl.load(patch_index_ptr + row)
+    if STEER:
+        steer_row = tl.load(steer_index_ptr + row)
+    if READ:
+        read_slot = tl.where(tl.load(read_flag_ptr) != 0, tl.load(read_slot_ptr + row), -1)
+    if (slot > 0) | (steer_row != 0) | (read_slot >= 0):
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < width
+        hidden_at = hidden_ptr + row * hidden_stride + cols
+        hidden = tl.load(hidden_at, mask=mask)
+        residual = hidden
+        residual_at = residual_ptr + row * residual_stride + cols
+        if HAS_RESIDUAL:
+            residual = tl.load(residual_at, mask=mask)
         if slot > 0:
             stream = hidden.to(tl.float32)
             if HAS_RESIDUAL:
@@ -52,14 +62,12 @@ def _site_kernel(hidden_ptr, residual_ptr, hidden_stride, residual_stride, width
                     residual = (value.to(tl.float32) - hidden.to(tl.float32)).to(hidden.dtype)
                 else:
                     residual = value
-                    hidden = tl.zeros_like(hidden)
+                    hidden = tl.full((BLOCK,), 0, hidden.dtype)
                     tl.store(hidden_at, hidden, mask=mask)
                 tl.store(residual_at, residual, mask=mask)
             else:
                 hidden = value
                 tl.store(hidden_at, hidden, mask=mask)
-    if STEER:
-        steer_row = tl.load(steer_index_ptr + row)
         if steer_row != 0:
             vector = tl.load(steer_table_ptr + steer_row * steer_stride + cols, mask=mask).to(tl.float32)
             if HAS_RESIDUAL:
@@ -68,9 +76,7 @@ def _site_kernel(hidden_ptr, residual_ptr, hidden_stride, residual_stride, width
             else:
                 hidden = (hidden.to(tl.float32) + vector).to(hidden.dtype)
                 tl.store(hidden_at, hidden, mask=mask)
-    if READ:
-        read_slot = tl.load(read_slot_ptr + row)
-        if (tl.load(read_flag_ptr) != 0) & (read_slot >= 0):
+        if read_slot >= 0:
             stream = hidden
             if HAS_RESIDUAL:
                 stream = (hidden.to(tl.float32) + residual.to(tl.float32)).to(hidden.dtype)
