@@ -5,6 +5,9 @@
 - Capture planning for one decode step of ``--requests`` requests that each read every position (``all``) or
   every generated one (``all_generated``) at ``post_block`` of every layer: ``CaptureStore.plan_reads`` and
   ``site_reads``, as the runner calls them before every step.
+- The runner's whole plan of a decode step (``InterpSteps._interp_plan``) on an engine with steering, patching
+  and capture enabled, for a batch of which no request uses them and for one of which every request has its
+  own all-layer steering config.
 - One HTTP request's work on the API server (``api_server_ms``): an all-layer steered request's JSON parse, its
   validation and payload (``InterpFrontend.prepare``), the middleware's whole rewrite of its body, and the
   worker's decoding of the payload when the request is admitted (``SteeringVectors.from_wire``); a request
@@ -30,6 +33,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from types import SimpleNamespace
 
 import msgspec
@@ -53,9 +57,12 @@ from vllm_interp.capture.results import ConsumerResult, result_to_json
 from vllm_interp.capture.spec import spec_to_wire, validate_capture_spec
 from vllm_interp.capture.store import CaptureStore
 from vllm_interp.config import InterpConfig
+from vllm_interp.engine.v0_26.steps import InterpSteps
 from vllm_interp.frontend import InterpFrontend, PreparedRequest
 from vllm_interp.hooks import HOOKS, ModelShape, site_name
 from vllm_interp.models.registry import SiteBank
+from vllm_interp.patching.sources import SourceStore
+from vllm_interp.patching.tables import PatchTables
 from vllm_interp.request_args import EXTRA_ARGS_KEY
 from vllm_interp.row_plan import BatchLayout
 from vllm_interp.server.bodies import parse_json
@@ -103,6 +110,48 @@ def planning_us(positions: str, args: argparse.Namespace) -> float:
         return per_call_s(lambda: store.site_reads(store.plan_reads(layout), torch.device("cpu")), args.repeats) * 1e6
     finally:
         store.close()
+
+
+class _PlanningRunner(InterpSteps):
+    """The runner mixins' shared step logic, with requests kept as the V2 mixin keeps them."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, requests: dict[str, tuple[dict | None, int]]) -> None:
+        self.requests = requests
+
+    def interp_request(self, req_id: str) -> tuple[dict | None, int]:
+        return self.requests[req_id]
+
+
+def step_plan_us(args: argparse.Namespace) -> dict[str, float]:
+    """The runner's plan of one decode step of ``--requests`` requests (steering, patching and capture enabled):
+    none of them using a feature, then each with its own all-layer steering config."""
+    configs = args.requests
+    bank = SiteBank.allocate(list(range(args.layers)), hidden_size=args.hidden, dtype=torch.bfloat16,
+                             device=torch.device("cpu"), max_tokens=args.requests, steer_rows=table_rows(configs),
+                             patch_slots=1, graph_read_rows=0)
+    ids = [f"req-{i}" for i in range(args.requests)]
+    rng = np.random.default_rng(0)
+    steered = {}
+    for req_id in ids:
+        vectors = SteeringVectors({"base": {site_name(layer, "post_block"): rng.standard_normal(args.hidden)
+                                            .astype(np.float32) for layer in range(args.layers)}})
+        steered[req_id] = ({EXTRA_ARGS_KEY: {"steering": {"vectors": vectors.to_wire(),
+                                                          "digest": vectors.digest()}}}, 512)
+    query_start_loc, num_computed = np.arange(args.requests + 1), np.full(args.requests, 600)
+    timings = {}
+    for what, requests in (("no request using a feature", dict.fromkeys(ids, (None, 512))),
+                           ("every request its own steering config", steered)):
+        store = capture_store(args.layers, args.hidden)
+        runner = _PlanningRunner(requests)
+        runner.attach(store, SteeringTables(bank, configs), PatchTables(bank, SourceStore()))
+        try:
+            timings[what] = per_call_s(partial(runner._interp_plan, ids, query_start_loc, num_computed),
+                                       args.repeats) * 1e6
+        finally:
+            store.close()
+    return timings
 
 
 def api_server_ms(args: argparse.Namespace) -> dict[str, float]:
@@ -265,6 +314,9 @@ def main() -> None:
     print(f"Capture planning, one decode step of {args.requests} requests reading post_block of {args.layers} layers:")
     for positions in ("all", "all_generated"):
         print(f"  positions={positions}: {planning_us(positions, args):.0f} us a step")
+    print(f"The runner's plan of a decode step of {args.requests} requests, every feature enabled:")
+    for what, value in step_plan_us(args).items():
+        print(f"  {what}: {value:.0f} us")
     print(f"One request on the API server, {args.layers} layers x {args.hidden}:")
     for what, value in api_server_ms(args).items():
         print(f"  {what}: {value:.3f}" + ("" if what.endswith("KB") else " ms"))

@@ -40,6 +40,8 @@ class BatchLayout:
     def slices(self, only: Container[str] | None = None) -> list[BatchSlice]:
         """The slices of the requests in ``only`` (all when None), in batch order: planners that act on a
         few requests of a large batch build objects for those alone."""
+        if only is not None and not only:
+            return []
         return [
             BatchSlice(req_id, int(self.row_starts[i]), int(self.position_starts[i]), int(self.num_tokens[i]))
             for i, req_id in enumerate(self.req_ids)
@@ -80,6 +82,9 @@ NEVER = np.iinfo(np.int64).max  # a first position no slice reaches
 def plan_reads(layout: BatchLayout, answers: Mapping[int, ReadAnswer]) -> ReadPlan:
     """Assign read slots, in batch order, to the rows that ``answers[i]`` picks from the slice of request ``i``
     of the batch (a request without an answer reads nothing). Vectorised over the step's tokens."""
+    if not answers:  # most steps of most engines
+        return ReadPlan(rows=np.empty(0, np.int64), positions=np.empty(0, np.int64), req_ids=[],
+                        slot_starts=np.zeros(1, np.int64))
     count = len(layout.req_ids)
     first = np.full(count, NEVER, dtype=np.int64)
     masks = {}

@@ -8,6 +8,7 @@ import torch
 from vllm_interp.hooks import HOOK_INDEX, parse_site_name
 from vllm_interp.models.registry import SiteBank
 from vllm_interp.request_args import EXTRA_ARGS_KEY
+from vllm_interp.row_plan import BatchLayout
 from vllm_interp.steering.tables import GLOBAL_ROWS, SteeringTables, table_rows
 from vllm_interp.steering.vectors import SteeringVectors
 
@@ -63,3 +64,26 @@ def test_slot_rows_hold_global_plus_request_vectors_per_phase_and_nothing_of_a_l
     assert reused.index == slot.index
     for phase in ("prefill", "decode"):
         assert torch.equal(table[:, :, reused.row(phase)], _expected_row(global_vectors + second, phase)), phase
+
+
+def test_a_step_looks_up_only_its_new_requests_and_frees_the_slots_of_those_that_left_before_taking_new_ones():
+    tables = _tables()  # one slot
+    asked: list[str] = []
+    requests = {"plain-1": None, "plain-2": None, "steered": _request(_vectors(1, decode=["0.post_block"]), "d1"),
+                "next": _request(_vectors(2, base=["2.pre_attn"]), "d2")}
+
+    def request(req_id: str):
+        asked.append(req_id)
+        return requests[req_id], 3
+
+    def step(*req_ids: str):  # one decode token each, past the prompt of 3
+        return tables.step_index(BatchLayout.of(list(req_ids), np.arange(len(req_ids) + 1), np.full(len(req_ids), 5)),
+                                 request)
+
+    assert step("plain-1", "plain-2") is None and step("plain-1", "plain-2") is None
+    assert asked == ["plain-1", "plain-2"]  # an idle batch: each request looked up once, when new
+    index = step("plain-1", "steered")
+    assert index.tolist() == [0, tables._by_req["steered"].row("decode")]
+    # "steered" leaves as "next" arrives: its slot is freed first, for the new config.
+    assert step("plain-1", "next").tolist() == [0, tables._by_req["next"].row("decode")]
+    assert step("plain-1") is None  # no steered request left: no index

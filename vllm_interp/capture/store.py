@@ -254,6 +254,8 @@ class CaptureStore:
         answers: dict[int, ReadAnswer] = {}
         done = []
         reading, entries = self._reading, self._entries
+        if not reading:  # no request reads: an enabled but idle engine plans this before every step
+            return plan_reads(layout, answers)
         starts, counts = layout.position_starts.tolist(), layout.num_tokens.tolist()
         for i, req_id in enumerate(layout.req_ids):
             if req_id not in reading:

@@ -8,6 +8,7 @@ together before the step's index that points at them (global vectors: at once). 
 in-place writes, so compiled graphs see them.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -52,6 +53,7 @@ class SteeringTables:
         self._slots: dict[str, _Slot] = {}
         self._free = list(range(max_configs))
         self._by_req: dict[str, _Slot | None] = {}
+        self._steered_requests = 0  # entries of _by_req with a slot
         self._dirty = 0
         self._pending: dict[int, SteeringVectors] = {}  # prefill row -> the vectors it and its decode row take
 
@@ -83,6 +85,7 @@ class SteeringTables:
                 self._slots[wire["digest"]] = slot
                 self._write_slot(slot)
             slot.requests.add(req_id)
+            self._steered_requests += 1
         self._by_req[req_id] = slot
         return slot
 
@@ -90,10 +93,27 @@ class SteeringTables:
         for req_id in self._by_req.keys() - live_req_ids:
             slot = self._by_req.pop(req_id)
             if slot is not None:
+                self._steered_requests -= 1
                 slot.requests.discard(req_id)
                 if not slot.requests:
                     del self._slots[slot.digest]
                     self._free.append(slot.index)
+
+    def step_index(self, layout: BatchLayout,
+                   request: Callable[[str], tuple[dict[str, Any] | None, int]]) -> np.ndarray | None:
+        """The step's table row of every token (None: none steered), with the step's new requests looked up
+        and the slots of requests that left the batch freed first. ``request(req_id)``: its ``extra_args``
+        and prompt length. Runs before every step: a batch of which no request is steered (an enabled but
+        idle engine) costs a membership test per request, in C."""
+        by_req, req_ids = self._by_req, layout.req_ids
+        new = [req_id for req_id in req_ids if req_id not in by_req]
+        if len(by_req) > len(req_ids) - len(new):  # some looked-up request is not in this batch
+            self.forget_finished(set(req_ids))
+        for req_id in new:
+            self.lookup(req_id, request(req_id)[0])
+        if not self._steered_requests and not any(self._global_rows.values()):
+            return None
+        return self.plan(layout, [request(req_id)[1] for req_id in req_ids], [by_req[req_id] for req_id in req_ids])
 
     def plan(self, layout: BatchLayout, prompt_lens: list[int], slots: list[_Slot | None]) -> np.ndarray | None:
         """Table row of every token of the step, or None when no token is steered (vectorised: this runs

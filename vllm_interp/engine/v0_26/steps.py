@@ -72,13 +72,7 @@ class InterpSteps:
         tables = self.interp_steering
         if tables is None:
             return False
-        tables.forget_finished(set(layout.req_ids))
-        slots, prompt_lens = [], []
-        for req_id in layout.req_ids:
-            extra_args, prompt_len = self.interp_request(req_id)
-            slots.append(tables.lookup(req_id, extra_args))
-            prompt_lens.append(prompt_len)
-        index = tables.plan(layout, prompt_lens, slots)
+        index = tables.step_index(layout, self.interp_request)
         tables.load_index(index)
         return index is not None
 
