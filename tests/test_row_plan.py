@@ -83,7 +83,7 @@ def test_steering_rows_follow_each_tokens_phase():
     import torch
 
     from vllm_interp.models.registry import SiteBank
-    from vllm_interp.steering.tables import FIRST_SLOT_ROW, GLOBAL_ROWS, SteeringTables
+    from vllm_interp.steering.tables import FIRST_SLOT_ROW, GLOBAL_ROWS, NO_SLOT, SteeringTables
     from vllm_interp.steering.vectors import SteeringVectors
 
     bank = SiteBank(layers=[0], steer_index=torch.zeros(32, dtype=torch.long), steer_table=torch.zeros(1, 3, 7, 4),
@@ -96,11 +96,13 @@ def test_steering_rows_follow_each_tokens_phase():
     # "a" (prompt of 20) has positions 16..31: the tier is decided per position, so its first four tokens
     # are prefill and the rest decode; "b" is one decode token; "c" a fresh prompt. No global vectors yet:
     # only "b" is steered.
-    index = tables.plan(_layout(), prompt_lens=[20, 10, 5], slots=[None, slot, None])
+    index = tables.plan(_layout(), prefill_rows=np.array([NO_SLOT, slot.row("prefill"), NO_SLOT]),
+                        prompt_lens=np.array([20, 10, 5]))
     assert index[:16].tolist() == [0] * 16 and index[17:].tolist() == [0] * 5
     assert index[16] == FIRST_SLOT_ROW + 1  # b's decode row
     tables.set_global(SteeringVectors({"prefill": {"0.pre_attn": np.ones(4, np.float32)}}))
-    index = tables.plan(_layout(), prompt_lens=[20, 10, 5], slots=[None, slot, None])
+    index = tables.plan(_layout(), prefill_rows=np.array([NO_SLOT, slot.row("prefill"), NO_SLOT]),
+                        prompt_lens=np.array([20, 10, 5]))
     assert index[:4].tolist() == [GLOBAL_ROWS["prefill"]] * 4 and index[4:16].tolist() == [0] * 12
     assert index[17:].tolist() == [GLOBAL_ROWS["prefill"]] * 5
     assert torch.equal(bank.steer_table[0, 0, FIRST_SLOT_ROW], torch.ones(4))  # b's prefill row has the global

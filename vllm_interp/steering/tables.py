@@ -10,6 +10,7 @@ in-place writes, so compiled graphs see them.
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any, Literal
 
 import numpy as np
@@ -23,6 +24,7 @@ from vllm_interp.uploads import copy_into, to_device
 
 GLOBAL_ROWS = {"prefill": 1, "decode": 2}
 FIRST_SLOT_ROW = 3
+NO_SLOT = -1  # the prefill row of a request without a config slot
 
 
 def table_rows(max_configs: int) -> int:
@@ -54,6 +56,8 @@ class SteeringTables:
         self._free = list(range(max_configs))
         self._by_req: dict[str, _Slot | None] = {}
         self._steered_requests = 0  # entries of _by_req with a slot
+        # Per request a step has looked up: its slot's prefill row (NO_SLOT: none) and its prompt length.
+        self._step_facts: dict[str, tuple[int, int]] = {}
         self._dirty = 0
         self._pending: dict[int, SteeringVectors] = {}  # prefill row -> the vectors it and its decode row take
 
@@ -92,6 +96,7 @@ class SteeringTables:
     def forget_finished(self, live_req_ids: set[str]) -> None:
         for req_id in self._by_req.keys() - live_req_ids:
             slot = self._by_req.pop(req_id)
+            self._step_facts.pop(req_id, None)
             if slot is not None:
                 self._steered_requests -= 1
                 slot.requests.discard(req_id)
@@ -104,29 +109,35 @@ class SteeringTables:
         """The step's table row of every token (None: none steered), with the step's new requests looked up
         and the slots of requests that left the batch freed first. ``request(req_id)``: its ``extra_args``
         and prompt length. Runs before every step: a batch of which no request is steered (an enabled but
-        idle engine) costs a membership test per request, in C."""
-        by_req, req_ids = self._by_req, layout.req_ids
+        idle engine) costs a membership test per request, in C, and a steered one a dictionary read per
+        request and array operations."""
+        by_req, facts, req_ids = self._by_req, self._step_facts, layout.req_ids
         new = [req_id for req_id in req_ids if req_id not in by_req]
         if len(by_req) > len(req_ids) - len(new):  # some looked-up request is not in this batch
             self.forget_finished(set(req_ids))
         for req_id in new:
-            self.lookup(req_id, request(req_id)[0])
+            extra_args, prompt_len = request(req_id)
+            slot = self.lookup(req_id, extra_args)
+            facts[req_id] = (NO_SLOT if slot is None else slot.row("prefill"), prompt_len)
         if not self._steered_requests and not any(self._global_rows.values()):
             return None
-        return self.plan(layout, [request(req_id)[1] for req_id in req_ids], [by_req[req_id] for req_id in req_ids])
+        pairs = np.fromiter(chain.from_iterable(map(facts.__getitem__, req_ids)), np.int64, 2 * len(req_ids))
+        return self.plan(layout, prefill_rows=pairs[0::2], prompt_lens=pairs[1::2])
 
-    def plan(self, layout: BatchLayout, prompt_lens: list[int], slots: list[_Slot | None]) -> np.ndarray | None:
+    def plan(self, layout: BatchLayout, prefill_rows: np.ndarray, prompt_lens: np.ndarray) -> np.ndarray | None:
         """Table row of every token of the step, or None when no token is steered (vectorised: this runs
-        on the host before every step)."""
+        on the host before every step). ``prefill_rows``: each request's slot prefill row (its decode row is
+        the next), ``NO_SLOT`` for a request without a config, which takes the global rows."""
         global_rows = self._global_rows
-        if not any(global_rows.values()) and not any(slots):
+        has_slot = prefill_rows != NO_SLOT
+        if not any(global_rows.values()) and not has_slot.any():
             return None
-        prefill_rows = np.array([s.row("prefill") if s else global_rows["prefill"] for s in slots], dtype=np.int64)
-        decode_rows = np.array([s.row("decode") if s else global_rows["decode"] for s in slots], dtype=np.int64)
-        owner = np.repeat(np.arange(len(slots)), layout.num_tokens)
+        prefill = np.where(has_slot, prefill_rows, global_rows["prefill"])
+        decode = np.where(has_slot, prefill_rows + 1, global_rows["decode"])
+        owner = np.repeat(np.arange(len(prefill_rows)), layout.num_tokens)
         positions = layout.position_starts[owner] + np.arange(owner.shape[0]) - layout.row_starts[owner]
-        in_prompt = positions < np.asarray(prompt_lens)[owner]
-        return np.where(in_prompt, prefill_rows[owner], decode_rows[owner])
+        in_prompt = positions < prompt_lens[owner]
+        return np.where(in_prompt, prefill[owner], decode[owner])
 
     def load_index(self, index: np.ndarray | None) -> None:
         """Write the step's token -> row map (None: no token steered). Entries a longer earlier map used go
