@@ -1,15 +1,21 @@
-"""Where the engine spends a burst of per-request steering configs: one engine, its core in this process.
+"""Where the engine spends a burst of requests with per-request fields (steering configs, a capture): one
+engine, its core in this process.
 
     python -m benchmarks.steer_admission MODEL [--requests 128] [--prompt-tokens 512] [--rounds 2]
-        [--attention-backend TRITON_ATTN] [--profile 25]
+        [--workloads unsteered,shared,distinct,capture] [--attention-backend TRITON_ATTN] [--kv-cache-gib 1]
+        [--profile 25]
+        [--torch-profile unsteered,capture]
 
-benchmarks/serve.py showed distinct per-request steering adding queue and prefill time inside the engine
-(vLLM's own histograms) that one shared vector does not. This isolates that part: a batch of ``--requests``
-prompts of ``--prompt-tokens`` random tokens, one generated token each (the step cost is prefill), sent to
-one ``vllm_interp.LLM`` with the engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) as
-unsteered, one shared all-layer vector, and distinct all-layer vectors per request, in turn for
-``--rounds`` rounds, prefix caching off. Then one distinct batch runs under cProfile and the functions with
-the most own time are printed, so the per-config cost shows where it is paid.
+benchmarks/serve.py showed per-request steering and capture adding queue and prefill time inside the engine
+(vLLM's own histograms). This isolates that part: a batch of ``--requests`` prompts of ``--prompt-tokens``
+random tokens, one generated token each (the step cost is prefill), sent to one ``vllm_interp.LLM`` (steering
+and the ``inline`` consumer enabled, as the serving bench's server) with the engine core in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), in turn for ``--rounds`` rounds, prefix caching off: ``unsteered``
+(no fields), ``shared`` (one all-layer vector for all), ``distinct`` (all-layer vectors per request) and
+``capture`` (``last_prompt`` at every site to ``inline``, results collected). Then one distinct batch runs
+under cProfile and the functions with the most own time are printed, so the per-config cost shows where it
+is paid; ``--torch-profile`` runs each named workload once under torch's profiler and prints the operators
+and kernels by device time (host time without a GPU), so an engine-side cost shows on the device's timeline.
 """
 
 import argparse
@@ -20,6 +26,8 @@ import statistics
 import time
 
 import numpy as np
+import torch
+from torch.profiler import ProfilerActivity
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -27,6 +35,8 @@ from vllm import SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 
 from vllm_interp import LLM, pack_vectors, steered_params  # noqa: E402
+
+LAST_PROMPT_EVERYWHERE = {"inline": {"hooks": "all", "positions": "last_prompt"}}
 
 
 def main() -> None:
@@ -36,13 +46,19 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--attention-backend", default=None)
+    parser.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache size (the CPU needs one)")
+    parser.add_argument("--workloads", default="unsteered,shared,distinct,capture")
     parser.add_argument("--profile", type=int, default=25, help="functions to print (0: no profile)")
+    parser.add_argument("--torch-profile", default="", help="workloads to run under torch's profiler")
     args = parser.parse_args()
 
     engine = dict(max_model_len=args.prompt_tokens + 16, enable_prefix_caching=False, seed=0)
     if args.attention_backend:
         engine["attention_backend"] = args.attention_backend
-    llm = LLM(args.model, enable_steering=True, max_steering_configs=args.requests, capture_consumers=(), **engine)
+    if args.kv_cache_gib:
+        engine["kv_cache_memory_bytes"] = int(args.kv_cache_gib * (1 << 30))
+    llm = LLM(args.model, enable_steering=True, max_steering_configs=args.requests, capture_consumers=("inline",),
+              **engine)
     layers, hidden = llm.num_layers, llm.llm_engine.model_config.get_hidden_size()
     vocab = llm.llm_engine.model_config.get_vocab_size()
     greedy = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -57,7 +73,7 @@ def main() -> None:
         return [TokensPrompt(prompt_token_ids=p) for p in ids]
 
     def params(workload: str, round_index: int) -> SamplingParams | list[SamplingParams]:
-        if workload == "unsteered":
+        if workload in ("unsteered", "capture"):
             return greedy
         if workload == "shared":
             return steered_params(greedy, steering_vectors=vectors(round_index + 1))
@@ -66,26 +82,39 @@ def main() -> None:
 
     def batch_s(workload: str, round_index: int) -> float:
         batch, sampling = prompts(), params(workload, round_index)
+        capture = {"capture": LAST_PROMPT_EVERYWHERE} if workload == "capture" else {}
         start = time.perf_counter()
-        llm.generate(batch, sampling, use_tqdm=False)
-        return time.perf_counter() - start
+        outputs = llm.generate(batch, sampling, use_tqdm=False, **capture)
+        elapsed = time.perf_counter() - start
+        if capture:
+            assert all(out.capture["inline"].status == "ok" for out in outputs)
+        return elapsed
 
-    workloads = ("unsteered", "shared", "distinct")
+    workloads = args.workloads.split(",")
     for workload in workloads:  # untimed: Triton JIT, first-use allocations (pinned blocks included)
         batch_s(workload, -1)
     timings: dict[str, list[float]] = {w: [] for w in workloads}
     for round_index in range(args.rounds):
         for workload in workloads:
             timings[workload].append(batch_s(workload, round_index))
-    base = statistics.median(timings["unsteered"])
+    base = statistics.median(timings["unsteered"]) if "unsteered" in timings else None
     print(f"\n{args.requests} requests x {args.prompt_tokens} prompt tokens, 1 generated; vectors at post_block "
-          f"of all {layers} layers (hidden {hidden}); seconds per batch, each round:")
+          f"of all {layers} layers (hidden {hidden}), capture of every site; seconds per batch, each round:")
     for workload, values in timings.items():
-        extra = (statistics.median(values) - base) * 1e3 / args.requests
-        print(f"  {workload:<10} {' '.join(f'{v:.3f}' for v in values)}  (median - unsteered: "
-              f"{extra:+.2f} ms per request)")
+        per_request_ms = None if base is None else (statistics.median(values) - base) * 1e3 / args.requests
+        extra = "" if per_request_ms is None else f"  (median - unsteered: {per_request_ms:+.2f} ms a request)"
+        print(f"  {workload:<10} {' '.join(f'{v:.3f}' for v in values)}{extra}")
 
-    if args.profile:
+    for workload in filter(None, args.torch_profile.split(",")):
+        on_gpu = torch.cuda.is_available()
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+        with torch.profiler.profile(activities=activities) as prof:
+            batch_s(workload, args.rounds)
+        print(f"\n## torch profile: {workload}\n")
+        print(prof.key_averages().table(sort_by="self_cuda_time_total" if on_gpu else "self_cpu_time_total",
+                                        row_limit=25, max_name_column_width=70))
+
+    if args.profile and "distinct" in workloads:
         batch, sampling = prompts(), params("distinct", args.rounds)
         profile = cProfile.Profile()
         profile.enable()
