@@ -112,7 +112,7 @@ class SteeringTables:
         idle engine) costs a membership test per request, in C, and a steered one a dictionary read per
         request and array operations."""
         by_req, facts, req_ids = self._by_req, self._step_facts, layout.req_ids
-        new = [req_id for req_id in req_ids if req_id not in by_req]
+        new = [req_id for req_id in req_ids if req_id not in facts]  # (facts' keys are a subset of by_req's)
         if len(by_req) > len(req_ids) - len(new):  # some looked-up request is not in this batch
             self.forget_finished(set(req_ids))
         for req_id in new:
