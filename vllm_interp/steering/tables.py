@@ -10,6 +10,7 @@ in-place writes, so compiled graphs see them.
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import lru_cache
 from itertools import chain
 from typing import Any, Literal
 
@@ -25,6 +26,13 @@ from vllm_interp.uploads import copy_into, to_device
 GLOBAL_ROWS = {"prefill": 1, "decode": 2}
 FIRST_SLOT_ROW = 3
 NO_SLOT = -1  # the prefill row of a request without a config slot
+
+
+@lru_cache(maxsize=4096)  # site names seen by table writes: a few per layer (bounded: names come from requests)
+def _site_index(name: str) -> tuple[int, int]:
+    """``(layer, hook index)`` of a site name."""
+    layer, hook = parse_site_name(name)
+    return layer, HOOK_INDEX[hook]
 
 
 def table_rows(max_configs: int) -> int:
@@ -192,11 +200,11 @@ class SteeringTables:
             decode = queued.phase_vectors("decode") if split else prefill
             for row, sites in ((prefill_row, prefill), (prefill_row + 1, decode)):
                 for name, vector in sites.items():
-                    layer, hook = parse_site_name(name)
+                    layer, hook = _site_index(name)
                     if layer not in local:
                         continue  # another pipeline stage holds it
                     if id(vector) not in index_of:
                         index_of[id(vector)] = len(vectors)
                         vectors.append(vector)
-                    coords.append((local[layer], HOOK_INDEX[hook], row, index_of[id(vector)]))
+                    coords.append((local[layer], hook, row, index_of[id(vector)]))
         return coords, vectors
