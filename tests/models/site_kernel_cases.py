@@ -41,12 +41,12 @@ def _eager(hidden, residual, steer_index, table, patch_index, values, alphas, hi
     no_graph_reads = (torch.full((1,), -1, dtype=torch.long, device=device),
                       torch.zeros(3, dtype=torch.int32, device=device),
                       torch.zeros(3, 0, hidden.shape[1], device=device))
-    STEP.reads, STEP.steer, STEP.patch = reads, True, planned
+    STEP.reads, STEP.steer, STEP.patch = reads, frozenset({(LAYER, HOOK)}), planned
     try:
         site(hidden, residual, steer_index, table, patch_index, values, alphas, *no_graph_reads, LAYER, HOOK,
              hidden_in_use)
     finally:
-        STEP.reads, STEP.steer, STEP.patch = None, False, None
+        STEP.reads, STEP.steer, STEP.patch = None, frozenset(), None
     return reads.out[(LAYER, HOOK)]
 
 

@@ -21,11 +21,11 @@ def _run(hidden, residual, *, rows=None, sites=((LAYER, 1),), index=None, table=
     table = torch.zeros(3, 1, HIDDEN) if table is None else table
     reads = None if rows is None else StepReads(rows, frozenset(sites))
     *buffers, planned = patch
-    STEP.reads, STEP.steer, STEP.patch = reads, table.shape[1] > 1, planned
+    STEP.reads, STEP.steer, STEP.patch = reads, frozenset({(LAYER, hook)} if table.shape[1] > 1 else ()), planned
     try:
         site(hidden, residual, index, table, *buffers, *NO_GRAPH_READS, LAYER, hook, hidden_in_use)
     finally:
-        STEP.reads, STEP.steer, STEP.patch = None, False, None
+        STEP.reads, STEP.steer, STEP.patch = None, frozenset(), None
     return None if reads is None else reads.out.get((LAYER, hook))
 
 
@@ -154,9 +154,9 @@ def test_the_op_survives_torch_compile_and_sees_each_steps_plan():
         layer.index.fill_(1)
         reads = StepReads(torch.tensor([row]), frozenset({(LAYER, 0)}))
         layer.planned[(LAYER, 0)][1][0] = shift  # each step's plan, seen by the compiled graph
-        STEP.reads, STEP.steer, STEP.patch = reads, True, layer.planned
+        STEP.reads, STEP.steer, STEP.patch = reads, frozenset({(LAYER, 0)}), layer.planned
         y = compiled(x)
-        STEP.reads, STEP.steer, STEP.patch = None, False, None
+        STEP.reads, STEP.steer, STEP.patch = None, frozenset(), None
         expected = x + shift
         expected[2] = 2 * shift
         assert torch.equal(reads.out[(LAYER, 0)][0], expected[row])

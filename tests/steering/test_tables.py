@@ -87,3 +87,15 @@ def test_a_step_looks_up_only_its_new_requests_and_frees_the_slots_of_those_that
     # "steered" leaves as "next" arrives: its slot is freed first, for the new config.
     assert step("plain-1", "next").tolist() == [0, tables._by_req["next"].row("decode")]
     assert step("plain-1") is None  # no steered request left: no index
+
+
+def test_steered_sites_are_the_global_vectors_and_those_of_configs_holding_a_slot():
+    tables = _tables()
+    assert tables.steered_sites == frozenset()
+    tables.set_global(_vectors(0, base=["0.pre_attn"]))
+    assert tables.steered_sites == {(0, HOOK_INDEX["pre_attn"])}
+    tables.lookup("a", _request(_vectors(1, decode=["2.post_block"], prefill=["1.post_attn"]), "a"))
+    assert tables.steered_sites == {(0, HOOK_INDEX["pre_attn"]), (2, HOOK_INDEX["post_block"]),
+                                    (1, HOOK_INDEX["post_attn"])}
+    tables.forget_finished(set())  # "a" left: its slot and its sites go
+    assert tables.steered_sites == {(0, HOOK_INDEX["pre_attn"])}

@@ -8,8 +8,8 @@
    zeros, so unsteered rows are unchanged bit for bit);
 3. **read**: when this step captures the site, copy the planned rows out.
 
-Run eagerly, the op acts on what the runner planned for the step in ``STEP`` (the patched rows, whether
-anything is steered, the rows to read, which it hands back as new tensors in ``STEP.reads``). Captured in a
+Run eagerly, the op acts on what the runner planned for the step in ``STEP`` (the patched rows, the sites
+anything is steered at, the rows to read, which it hands back as new tensors in ``STEP.reads``). Captured in a
 CUDA graph, it launches one kernel (site_kernel.py) that acts on every row as the persistent buffers say,
 which the runner fills before every step, so replays patch, steer and read too: row ``r`` takes patch slot
 ``patch_index[hook, r]`` of ``patch_values``/``patch_alpha`` (slot 0: unpatched) and steering row
@@ -56,7 +56,9 @@ class StepState:
     steers nothing costs one early return per site."""
 
     reads: StepReads | None = None
-    steer: bool = False
+    # (layer, hook) sites the step adds steering at: those some config or the global vectors steer (every
+    # table row a token can take is zeros elsewhere).
+    steer: frozenset[tuple[int, int]] = frozenset()
     patch: StepPatches | None = None
 
 
@@ -116,8 +118,7 @@ def _site(
     if STEP.patch is not None and (planned := STEP.patch.get((layer, hook))) is not None:
         _write_rows(flat_hidden, flat_residual, *planned, hidden_in_use)
     target = flat_hidden if residual is None else flat_residual
-    # A one-row table holds only the zero row: steering is off for this engine.
-    if STEP.steer and steer_table.shape[1] > 1:
+    if (layer, hook) in STEP.steer:
         target.add_(steer_table[hook].index_select(0, steer_index[: target.shape[0]]))
     reads = STEP.reads
     if reads is None or (layer, hook) not in reads.sites:

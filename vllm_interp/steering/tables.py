@@ -8,6 +8,7 @@ together before the step's index that points at them (global vectors: at once). 
 in-place writes, so compiled graphs see them.
 """
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -35,6 +36,14 @@ def _site_index(name: str) -> tuple[int, int]:
     return layer, HOOK_INDEX[hook]
 
 
+Site = tuple[int, int]  # (layer, hook index)
+
+
+def _sites(vectors: SteeringVectors) -> frozenset[Site]:
+    """The sites ``vectors`` add to, in any tier."""
+    return frozenset(_site_index(name) for sites in vectors.tiers.values() for name in sites)
+
+
 def table_rows(max_configs: int) -> int:
     return FIRST_SLOT_ROW + 2 * max_configs
 
@@ -49,6 +58,7 @@ class _Slot:
     index: int
     vectors: SteeringVectors
     requests: set[str] = field(default_factory=set)
+    sites: frozenset[Site] = frozenset()  # where the request's own vectors add
 
     def row(self, phase: Literal["prefill", "decode"]) -> int:
         return FIRST_SLOT_ROW + 2 * self.index + (phase == "decode")
@@ -68,10 +78,15 @@ class SteeringTables:
         self._step_facts: dict[str, tuple[int, int]] = {}
         self._dirty = 0
         self._pending: dict[int, SteeringVectors] = {}  # prefill row -> the vectors it and its decode row take
+        # Where some token may be steered: the global vectors' sites and those of configs holding a slot.
+        self._global_sites: frozenset[Site] = frozenset()
+        self._slot_sites: Counter[Site] = Counter()  # site -> slots whose vectors add there
+        self._steered_sites: frozenset[Site] | None = frozenset()  # None: to be recomputed
 
     # -- global state --------------------------------------------------------------------------------
     def set_global(self, vectors: SteeringVectors) -> None:
         self.global_vectors = vectors
+        self._global_sites, self._steered_sites = _sites(vectors), None
         self._pending[GLOBAL_ROWS["prefill"]] = vectors
         for phase, row in GLOBAL_ROWS.items():
             self._global_rows[phase] = row if vectors.phase_vectors(phase) else 0
@@ -93,8 +108,10 @@ class SteeringTables:
                     raise SteeringSlotsExhausted(
                         f"all {self.max_configs} steering config slots are in use (--max-steering-configs)"
                     )
-                slot = _Slot(wire["digest"], self._free.pop(0), vectors)
+                slot = _Slot(wire["digest"], self._free.pop(0), vectors, sites=_sites(vectors))
                 self._slots[wire["digest"]] = slot
+                self._slot_sites.update(slot.sites)
+                self._steered_sites = None
                 self._write_slot(slot)
             slot.requests.add(req_id)
             self._steered_requests += 1
@@ -111,6 +128,18 @@ class SteeringTables:
                 if not slot.requests:
                     del self._slots[slot.digest]
                     self._free.append(slot.index)
+                    self._slot_sites.subtract(slot.sites)
+                    self._steered_sites = None
+
+    @property
+    def steered_sites(self) -> frozenset[Site]:
+        """The sites some token may be steered at (the global vectors' and those of configs holding a slot).
+        Every table row a token can point to is zeros at the other sites, so an eager step adds only here:
+        one layer's vector costs one site's add, not one per site of the model."""
+        if self._steered_sites is None:
+            held = {site for site, slots in self._slot_sites.items() if slots > 0}
+            self._steered_sites = self._global_sites | held
+        return self._steered_sites
 
     def step_index(self, layout: BatchLayout,
                    request: Callable[[str], tuple[dict[str, Any] | None, int]]) -> np.ndarray | None:

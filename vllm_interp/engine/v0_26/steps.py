@@ -22,7 +22,7 @@ from vllm_interp.steering.tables import SteeringTables
 
 @dataclass(frozen=True)
 class StepPlan:
-    steer: bool
+    steer: frozenset[tuple[int, int]]  # the (layer, hook index) sites an eager forward adds steering at
     patch: StepPatches | None
     reads: ReadPlan
     site_reads: StepReads | None  # what the site op reads (None: this step reads nothing)
@@ -68,13 +68,13 @@ class InterpSteps:
         reads = self.interp_store.plan_reads(layout)
         self._interp_step = StepPlan(steer, patch, reads, self.interp_store.site_reads(reads, self.device))
 
-    def _plan_steering(self, layout: BatchLayout) -> bool:
+    def _plan_steering(self, layout: BatchLayout) -> frozenset[tuple[int, int]]:
         tables = self.interp_steering
         if tables is None:
-            return False
+            return frozenset()
         index = tables.step_index(layout, self.interp_request)
         tables.load_index(index)
-        return index is not None
+        return frozenset() if index is None else tables.steered_sites
 
     def _interp_publish(self) -> None:
         """Hand the planned step to the site op for the forward that follows."""
@@ -85,7 +85,7 @@ class InterpSteps:
     def _interp_retire(self) -> StepPlan | None:
         """After the forward, or its failure: the site op forgets the step; returns it for ``_interp_collect``."""
         step, self._interp_step = self._interp_step, None
-        STEP.reads, STEP.steer, STEP.patch = None, False, None
+        STEP.reads, STEP.steer, STEP.patch = None, frozenset(), None
         return step
 
     def _interp_collect(self, step: StepPlan | None) -> None:
