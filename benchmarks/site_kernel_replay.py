@@ -13,7 +13,9 @@ import argparse
 
 import torch
 
+from vllm_interp.config import DEFAULT_MAX_GRAPH_CAPTURE_ROWS, DEFAULT_MAX_STEERING_CONFIGS
 from vllm_interp.models.site_kernel import site_in_graph
+from vllm_interp.steering.tables import table_rows
 
 
 def _graph(body) -> torch.cuda.CUDAGraph:
@@ -46,13 +48,13 @@ def step_us(tokens: int, args: argparse.Namespace, with_sites: bool) -> float:
     hidden = torch.randn(tokens, args.hidden, device=device, dtype=dtype)
     residual = torch.randn_like(hidden)
     steer_index = torch.zeros(tokens, dtype=torch.long, device=device)
-    steer_table = torch.zeros(259, args.hidden, device=device, dtype=dtype)
+    steer_table = torch.zeros(table_rows(DEFAULT_MAX_STEERING_CONFIGS), args.hidden, device=device, dtype=dtype)
     patch_index = torch.zeros(tokens, dtype=torch.long, device=device)
     patch_values = torch.zeros(2, args.hidden, device=device, dtype=dtype)
     patch_alpha = torch.zeros(2, device=device, dtype=dtype)
     read_slot = torch.full((tokens,), -1, dtype=torch.long, device=device)
     read_flag = torch.zeros(1, dtype=torch.int32, device=device)
-    read_out = torch.zeros(512, args.hidden, device=device, dtype=dtype)
+    read_out = torch.zeros(DEFAULT_MAX_GRAPH_CAPTURE_ROWS, args.hidden, device=device, dtype=dtype)
     x = torch.randn(tokens, args.filler, device=device, dtype=dtype)
     weight = torch.randn(args.filler, args.filler, device=device, dtype=dtype) / args.filler ** 0.5
 

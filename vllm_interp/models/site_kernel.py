@@ -29,7 +29,7 @@ def _site_kernel(hidden_ptr, residual_ptr, hidden_stride, residual_stride, width
                  STEER: tl.constexpr, READ: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     # The row's slots first: a row no buffer names (every row of an idle engine, most rows of a busy one)
-    # reads three integers and never loads the stream, which every site of every replayed step would pay.
+    # reads its slot entries and never loads the stream, which every site of every replayed step would pay.
     slot = 0
     steer_row = 0
     read_slot = -1

@@ -8,7 +8,6 @@ together before the step's index that points at them (global vectors: at once). 
 in-place writes, so compiled graphs see them.
 """
 
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -73,20 +72,16 @@ class SteeringTables:
         self._slots: dict[str, _Slot] = {}
         self._free = list(range(max_configs))
         self._by_req: dict[str, _Slot | None] = {}
-        self._steered_requests = 0  # entries of _by_req with a slot
         # Per request a step has looked up: its slot's prefill row (NO_SLOT: none) and its prompt length.
         self._step_facts: dict[str, tuple[int, int]] = {}
         self._dirty = 0
         self._pending: dict[int, SteeringVectors] = {}  # prefill row -> the vectors it and its decode row take
-        # Where some token may be steered: the global vectors' sites and those of configs holding a slot.
-        self._global_sites: frozenset[Site] = frozenset()
-        self._slot_sites: Counter[Site] = Counter()  # site -> slots whose vectors add there
-        self._steered_sites: frozenset[Site] | None = frozenset()  # None: to be recomputed
+        self._steered_sites: frozenset[Site] | None = frozenset()  # None: stale since a slot or global change
 
     # -- global state --------------------------------------------------------------------------------
     def set_global(self, vectors: SteeringVectors) -> None:
         self.global_vectors = vectors
-        self._global_sites, self._steered_sites = _sites(vectors), None
+        self._steered_sites = None
         self._pending[GLOBAL_ROWS["prefill"]] = vectors
         for phase, row in GLOBAL_ROWS.items():
             self._global_rows[phase] = row if vectors.phase_vectors(phase) else 0
@@ -110,11 +105,9 @@ class SteeringTables:
                     )
                 slot = _Slot(wire["digest"], self._free.pop(0), vectors, sites=_sites(vectors))
                 self._slots[wire["digest"]] = slot
-                self._slot_sites.update(slot.sites)
                 self._steered_sites = None
                 self._write_slot(slot)
             slot.requests.add(req_id)
-            self._steered_requests += 1
         self._by_req[req_id] = slot
         return slot
 
@@ -123,12 +116,10 @@ class SteeringTables:
             slot = self._by_req.pop(req_id)
             self._step_facts.pop(req_id, None)
             if slot is not None:
-                self._steered_requests -= 1
                 slot.requests.discard(req_id)
                 if not slot.requests:
                     del self._slots[slot.digest]
                     self._free.append(slot.index)
-                    self._slot_sites.subtract(slot.sites)
                     self._steered_sites = None
 
     @property
@@ -137,8 +128,7 @@ class SteeringTables:
         Every table row a token can point to is zeros at the other sites, so an eager step adds only here:
         one layer's vector costs one site's add, not one per site of the model."""
         if self._steered_sites is None:
-            held = {site for site, slots in self._slot_sites.items() if slots > 0}
-            self._steered_sites = self._global_sites | held
+            self._steered_sites = _sites(self.global_vectors).union(*(slot.sites for slot in self._slots.values()))
         return self._steered_sites
 
     def step_index(self, layout: BatchLayout,
@@ -156,7 +146,8 @@ class SteeringTables:
             extra_args, prompt_len = request(req_id)
             slot = self.lookup(req_id, extra_args)
             facts[req_id] = (NO_SLOT if slot is None else slot.row("prefill"), prompt_len)
-        if not self._steered_requests and not any(self._global_rows.values()):
+        # A slot is held exactly while some looked-up request has it.
+        if not self._slots and not any(self._global_rows.values()):
             return None
         pairs = np.fromiter(chain.from_iterable(map(facts.__getitem__, req_ids)), np.int64, 2 * len(req_ids))
         return self.plan(layout, prefill_rows=pairs[0::2], prompt_lens=pairs[1::2])
