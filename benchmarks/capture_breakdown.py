@@ -45,14 +45,14 @@ _HOST_BLOCKS: dict[tuple, torch.Tensor] = {}
 _shipped_to_host = store.to_host
 
 
-def _to_host_variants(block: torch.Tensor, splits: list[tuple[int, int]]):
+def _to_host_variants(block: torch.Tensor, splits: list[tuple[int, int]], whole: bool = False):
     """``store.to_host`` with the variants above, chosen per step from MODE."""
     if MODE["name"] != "no_copy":
-        return _shipped_to_host(block, splits)
+        return _shipped_to_host(block, splits, whole)
     key = (tuple(block.shape), block.dtype)
     if key not in _HOST_BLOCKS:
         _HOST_BLOCKS[key] = torch.zeros(key[0], dtype=block.dtype)
-    return host_copies.HostCopy.landed(_HOST_BLOCKS[key], splits)
+    return host_copies.SplitCopy.landed(_HOST_BLOCKS[key], splits)
 
 
 def decode_tpot_ms(outputs) -> float:

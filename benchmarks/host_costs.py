@@ -5,6 +5,9 @@
 - Capture planning for one decode step of ``--requests`` requests that each read every position (``all``) or
   every generated one (``all_generated``) at ``post_block`` of every layer: ``CaptureStore.plan_reads`` and
   ``site_reads``, as the runner calls them before every step.
+- A wave of ``--requests`` requests capturing ``last_prompt`` at every site to ``inline``: the worker's forward
+  thread's share per request (admission, the prefill step's plan and collect, the finish that hands each to
+  its consumer).
 - The runner's whole plan of a decode step (``InterpSteps._interp_plan``) on an engine with steering, patching
   and capture enabled, for a batch of which no request uses them and for one of which every request has its
   own all-layer steering config.
@@ -95,7 +98,7 @@ def capture_store(layers: int, hidden: int) -> CaptureStore:
                               hidden_size=hidden)
     runner = ConsumerRunner(InThread(LoggingConsumer(context)), policy="block", queue_bytes=1 << 20)
     return CaptureStore(bank, num_layers=layers, model="m", consumers={"logging": runner}, global_spec={},
-                        external_id=str)
+                        external_id=str, max_graph_tokens=0)
 
 
 def planning_us(positions: str, args: argparse.Namespace) -> float:
@@ -107,7 +110,44 @@ def planning_us(positions: str, args: argparse.Namespace) -> float:
         store.lookup(req_id, {EXTRA_ARGS_KEY: {"capture": spec_to_wire(spec)}}, prompt_len=128)
     layout = BatchLayout.of(ids, np.arange(args.requests + 1), np.full(args.requests, 200))  # one decode token each
     try:
-        return per_call_s(lambda: store.site_reads(store.plan_reads(layout), torch.device("cpu")), args.repeats) * 1e6
+        tokens = layout.total_tokens
+        return per_call_s(lambda: store.site_reads(store.plan_reads(layout), torch.device("cpu"), tokens),
+                          args.repeats) * 1e6
+    finally:
+        store.close()
+
+
+def capture_wave_us(args: argparse.Namespace) -> float:
+    """The worker's share of a wave of ``--requests`` requests capturing ``last_prompt`` at every site to
+    ``inline`` (the serving bench's capture workload), per request: each admitted (its spec decoded), one
+    prefill step of them planned, its reads collected and landed, and each finished (handed to the consumer,
+    without waiting for it). The eager forward's reads are stand-ins: a row per request and site."""
+    layers, hidden, count = args.layers, args.hidden, args.requests
+    bank = site_bank(layers, hidden, steer_rows=1, dtype=torch.bfloat16)
+    context = ConsumerContext("inline", {}, "m", num_layers=layers, hidden_size=hidden)
+    runner = ConsumerRunner(InThread(InlineConsumer(context)), policy="block", queue_bytes=1 << 30)
+    store = CaptureStore(bank, num_layers=layers, model="m", consumers={"inline": runner}, global_spec={},
+                         external_id=str, max_graph_tokens=0)
+    wire = {EXTRA_ARGS_KEY: {"capture": {"inline": {"hooks": "all", "positions": "last_prompt"}}}}
+    prompt_len, chunk = 512, 8
+    rows = torch.zeros(count, hidden, dtype=torch.bfloat16)
+    wave = [0]
+
+    def one_wave() -> None:
+        ids = [f"w{wave[0]}-{i}" for i in range(count)]
+        wave[0] += 1
+        for req_id in ids:
+            store.lookup(req_id, wire, prompt_len)
+        # The prompts' last chunks: each request's last prompt position is read.
+        layout = BatchLayout.of(ids, np.arange(0, (count + 1) * chunk, chunk), np.full(count, prompt_len - chunk))
+        plan = store.plan_reads(layout)
+        reads = store.site_reads(plan, torch.device("cpu"), layout.total_tokens)
+        reads.out.update({site: rows for site in reads.sites})
+        store.collect(plan, reads)
+        store.finish(set(ids))
+
+    try:
+        return per_call_s(one_wave, max(args.repeats // 200, 3)) * 1e6 / count
     finally:
         store.close()
 
@@ -314,6 +354,8 @@ def main() -> None:
     print(f"Capture planning, one decode step of {args.requests} requests reading post_block of {args.layers} layers:")
     for positions in ("all", "all_generated"):
         print(f"  positions={positions}: {planning_us(positions, args):.0f} us a step")
+    print(f"A wave of {args.requests} requests capturing last_prompt at all {3 * args.layers} sites to inline, "
+          f"the worker's forward thread: {capture_wave_us(args):.0f} us a request")
     print(f"The runner's plan of a decode step of {args.requests} requests, every feature enabled:")
     for what, value in step_plan_us(args).items():
         print(f"  {what}: {value:.0f} us")

@@ -3,8 +3,8 @@ engine, its core in this process.
 
     python -m benchmarks.steer_admission MODEL [--requests 128] [--prompt-tokens 512] [--rounds 2]
         [--workloads unsteered,shared,distinct,capture] [--attention-backend TRITON_ATTN] [--kv-cache-gib 1]
-        [--profile 25]
-        [--torch-profile unsteered,capture]
+        [--profile 25] [--profile-workload distinct]
+        [--torch-profile unsteered,capture] [--trace-dir DIR] [--torch-stack]
 
 benchmarks/serve.py showed per-request steering and capture adding queue and prefill time inside the engine
 (vLLM's own histograms). This isolates that part: a batch of ``--requests`` prompts of ``--prompt-tokens``
@@ -12,14 +12,18 @@ random tokens, one generated token each (the step cost is prefill), sent to one 
 and the ``inline`` consumer enabled, as the serving bench's server) with the engine core in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), in turn for ``--rounds`` rounds, prefix caching off: ``unsteered``
 (no fields), ``shared`` (one all-layer vector for all), ``distinct`` (all-layer vectors per request) and
-``capture`` (``last_prompt`` at every site to ``inline``, results collected). Then one distinct batch runs
-under cProfile and the functions with the most own time are printed, so the per-config cost shows where it
-is paid; ``--torch-profile`` runs each named workload once under torch's profiler and prints the operators
-and kernels by device time (host time without a GPU), so an engine-side cost shows on the device's timeline.
+``capture`` (``last_prompt`` at every site to ``inline``, results collected). Then one batch of
+``--profile-workload`` runs under cProfile and the functions with the most own time are printed, so the
+per-request cost shows where it is paid; ``--torch-profile`` runs each named workload once under torch's
+profiler and prints the operators and kernels by device time (host time without a GPU) and how much of the
+batch's wall time the device was busy, so an engine-side cost shows on the device's timeline; ``--trace-dir``
+also writes each profile's Chrome trace there (gzipped) for a look at the gaps between kernels, with every
+Python call in it under ``--torch-stack`` (slow: for where the host waits, not for timings).
 """
 
 import argparse
 import cProfile
+import gzip
 import os
 import pstats
 import statistics
@@ -49,7 +53,10 @@ def main() -> None:
     parser.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache size (the CPU needs one)")
     parser.add_argument("--workloads", default="unsteered,shared,distinct,capture")
     parser.add_argument("--profile", type=int, default=25, help="functions to print (0: no profile)")
+    parser.add_argument("--profile-workload", default="distinct", help="the workload run under cProfile")
     parser.add_argument("--torch-profile", default="", help="workloads to run under torch's profiler")
+    parser.add_argument("--torch-stack", action="store_true", help="record Python calls in the torch profiles")
+    parser.add_argument("--trace-dir", default=None, help="where to write the profiles' Chrome traces")
     args = parser.parse_args()
 
     engine = dict(max_model_len=args.prompt_tokens + 16, enable_prefix_caching=False, seed=0)
@@ -108,22 +115,45 @@ def main() -> None:
     for workload in filter(None, args.torch_profile.split(",")):
         on_gpu = torch.cuda.is_available()
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
-        with torch.profiler.profile(activities=activities) as prof:
-            batch_s(workload, args.rounds)
+        with torch.profiler.profile(activities=activities, with_stack=args.torch_stack) as prof:
+            wall_s = batch_s(workload, args.rounds)
         print(f"\n## torch profile: {workload}\n")
         print(prof.key_averages().table(sort_by="self_cuda_time_total" if on_gpu else "self_cpu_time_total",
                                         row_limit=25, max_name_column_width=70))
+        if on_gpu:
+            print(f"device busy {_device_busy_s(prof) * 1e3:.1f} ms of the batch's {wall_s * 1e3:.1f} ms")
+        if args.trace_dir:
+            _write_trace(prof, os.path.join(args.trace_dir, f"{workload}.json.gz"))
 
-    if args.profile and "distinct" in workloads:
-        batch, sampling = prompts(), params("distinct", args.rounds)
+    if args.profile:
         profile = cProfile.Profile()
         profile.enable()
-        llm.generate(batch, sampling, use_tqdm=False)
+        batch_s(args.profile_workload, args.rounds + 1)
         profile.disable()
         stats = pstats.Stats(profile)
         stats.sort_stats("tottime").print_stats(args.profile)
         stats.sort_stats("cumulative").print_stats("vllm_interp", args.profile)
     llm.shutdown()
+
+
+def _device_busy_s(prof: torch.profiler.profile) -> float:
+    """The union of the device's kernel and copy intervals (overlapping streams counted once)."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy_us, end = 0.0, float("-inf")
+    for start, stop in spans:
+        busy_us += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    return busy_us / 1e6
+
+
+def _write_trace(prof: torch.profiler.profile, path: str) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    plain = path.removesuffix(".gz")
+    prof.export_chrome_trace(plain)
+    with open(plain, "rb") as source, gzip.open(path, "wb") as target:
+        target.write(source.read())
+    os.remove(plain)
 
 
 if __name__ == "__main__":

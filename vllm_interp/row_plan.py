@@ -37,6 +37,10 @@ class BatchLayout:
         starts = np.asarray(query_start_loc[: len(req_ids) + 1], dtype=np.int64)
         return cls(req_ids, starts[:-1], np.asarray(num_computed[: len(req_ids)], dtype=np.int64), np.diff(starts))
 
+    @property
+    def total_tokens(self) -> int:
+        return int(self.row_starts[-1] + self.num_tokens[-1]) if self.req_ids else 0
+
     def slices(self, only: Container[str] | None = None) -> list[BatchSlice]:
         """The slices of the requests in ``only`` (all when None), in batch order: planners that act on a
         few requests of a large batch build objects for those alone."""

@@ -127,7 +127,7 @@ def test_needs_prompt_prefix(positions, prompt_len, expected):
 def test_sites_default_is_every_hook_of_every_layer():
     spec = ConsumerSpec()
     assert spec.hooks == "all"
-    assert spec.sites(2) == [
+    assert list(spec.sites(2)) == [
         (0, "pre_attn"),
         (0, "post_attn"),
         (0, "post_block"),
@@ -148,13 +148,13 @@ def test_sites_default_is_every_hook_of_every_layer():
 def test_sites_are_layer_major_in_hook_order():
     # The request's dict order and layer-list order must not leak into the tensor order.
     spec = ConsumerSpec(hooks={"post_block": [3, 0], "pre_attn": [3], "post_attn": [0]})
-    assert spec.sites(NUM_LAYERS) == [(0, "post_attn"), (0, "post_block"), (3, "pre_attn"), (3, "post_block")]
+    assert list(spec.sites(NUM_LAYERS)) == [(0, "post_attn"), (0, "post_block"), (3, "pre_attn"), (3, "post_block")]
     assert spec.site_names(NUM_LAYERS) == ["0.post_attn", "0.post_block", "3.pre_attn", "3.post_block"]
 
 
 def test_sites_mix_all_and_lists():
     spec = ConsumerSpec(hooks={"post_attn": "all", "pre_attn": [1]})
-    assert spec.sites(2) == [(0, "post_attn"), (1, "pre_attn"), (1, "post_attn")]
+    assert list(spec.sites(2)) == [(0, "post_attn"), (1, "pre_attn"), (1, "post_attn")]
 
 
 def test_sites_sort_layers_numerically():

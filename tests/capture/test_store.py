@@ -28,7 +28,7 @@ def make_store(consumers: tuple[str, ...] = ("inline",)) -> CaptureStore:
     context = ConsumerContext("inline", {}, "m", num_layers=LAYERS, hidden_size=HIDDEN)
     runner = ConsumerRunner(InThread(InlineConsumer(context)), policy="block", queue_bytes=1 << 20)
     return CaptureStore(bank, num_layers=LAYERS, model="m", consumers={name: runner for name in consumers},
-                        global_spec={}, external_id=str)
+                        global_spec={}, external_id=str, max_graph_tokens=0)
 
 
 def extra_args(key: str, positions) -> dict:
@@ -40,7 +40,7 @@ def extra_args(key: str, positions) -> dict:
 def step(store: CaptureStore, req_id: str, start: int, tokens: int, stream: torch.Tensor) -> None:
     """One step of one request computing positions start..start+tokens; ``stream`` is [tokens, hidden]."""
     plan = store.plan_reads(BatchLayout.of([req_id], np.array([0, tokens]), np.array([start])))
-    reads = store.site_reads(plan, torch.device("cpu"))
+    reads = store.site_reads(plan, torch.device("cpu"), 0)
     if reads is None:
         return
     reads.out[(1, 2)] = stream.index_select(0, reads.rows)  # what the site op at 1.post_block would hand back
@@ -70,7 +70,7 @@ def test_steps_without_wanted_positions_read_nothing_and_unknown_keys_answer_emp
     assert store.capturing
     step(store, "r", 0, 2, torch.randn(2, HIDDEN))  # positions 0-1: nothing wanted
     assert store.site_reads(store.plan_reads(BatchLayout.of([], np.array([0]), np.array([]))),
-                            torch.device("cpu")) is None
+                            torch.device("cpu"), 0) is None
     step(store, "r", 2, 1, torch.randn(1, HIDDEN))
     assert store.results({"nosuch": 3}, wait_s=0) == {"nosuch": {}}
     assert store.results({"k": 4}, wait_s=5)["k"]["inline"]["rows"] == 1
@@ -100,8 +100,8 @@ def test_ranks_without_the_consumer_plan_the_same_rows_and_read_none():
         plans.append(store.plan_reads(BatchLayout.of(["r"], np.array([0, 4]), np.array([0]))))
     assert plans[0].num_rows == plans[1].num_rows == 4
     np.testing.assert_array_equal(plans[0].rows, plans[1].rows)
-    assert rank0.site_reads(plans[0], torch.device("cpu")) is not None
-    assert rank1.site_reads(plans[1], torch.device("cpu")) is None
+    assert rank0.site_reads(plans[0], torch.device("cpu"), 0) is not None
+    assert rank1.site_reads(plans[1], torch.device("cpu"), 0) is None
     assert rank1.capturing
     assert rank1.results({"k": 5}, wait_s=0) == {"k": {}}
     rank0.close()
@@ -120,9 +120,43 @@ def test_requests_whose_positions_are_all_computed_leave_the_planning_set():
     assert store.reading_ids == {"open", "listed"}
     step(store, "listed", 3, 4, torch.randn(4, HIDDEN))
     assert store.reading_ids == {"open"}
-    assert store.capturing  # all three still hold rows for their consumers
+    assert store.capturing  # two still hold rows for their consumers (the prompt capture went to its consumer)
     result = store.results({"a": 4}, wait_s=5)["a"]["inline"]
     assert result["status"] == "ok" and result["rows"] == 1
+    store.close()
+
+
+def test_a_prompt_capture_goes_to_its_consumer_when_its_last_rows_land():
+    """A request that read its last prompt rows ends with that step: its consumer has it before the request
+    finishes generating, and a step whose readers all end lands whole (no copy per request)."""
+    store = make_store()
+    store.lookup("a", extra_args("a", "last_prompt"), prompt_len=3)
+    store.lookup("b", extra_args("b", "last_prompt"), prompt_len=2)
+    stream = torch.randn(5, HIDDEN)
+    plan = store.plan_reads(BatchLayout.of(["a", "b"], np.array([0, 3, 5]), np.array([0, 0])))
+    reads = store.site_reads(plan, torch.device("cpu"), 0)
+    reads.out[(1, 2)] = stream.index_select(0, reads.rows)
+    store.collect(plan, reads)
+    assert not store.capturing  # both ended: no step plans reads any more
+    (landed,) = store._pending
+    assert isinstance(landed.rows, store_module.WholeCopy)
+    # Neither finished (no ``finish``, no final length): asking without waiting finds both handed on.
+    results = store.results({"a": 9, "b": 9}, wait_s=5)
+    rows = {key: ResidualReadout.from_result(results[key]["inline"]["result"]) for key in ("a", "b")}
+    assert rows["a"].positions == [2] and rows["b"].positions == [1]
+    torch.testing.assert_close(rows["a"]["1.post_block"], stream[2:3], rtol=0, atol=0)
+    torch.testing.assert_close(rows["b"]["1.post_block"], stream[4:5], rtol=0, atol=0)
+    store.finish({"a", "b"})  # the scheduler's finish later finds nothing left to do
+    assert store.results({"a": 9}, wait_s=0) == {"a": {}}
+    # A step that an open-ended reader shares lands split, so that the reader keeps no other's rows alive.
+    store.lookup("c", extra_args("c", "last_prompt"), prompt_len=1)
+    store.lookup("d", extra_args("d", "all"), prompt_len=1)
+    plan = store.plan_reads(BatchLayout.of(["c", "d"], np.array([0, 1, 2]), np.array([0, 0])))
+    reads = store.site_reads(plan, torch.device("cpu"), 0)
+    reads.out[(1, 2)] = stream[:2]
+    store.collect(plan, reads)
+    assert isinstance(store._pending[-1].rows, store_module.SplitCopy)
+    assert store.reading_ids == {"d"}
     store.close()
 
 
@@ -138,7 +172,7 @@ def test_requests_of_one_step_wanting_different_sites_get_their_own_rows():
     for step_index, ids in enumerate([["wide", "narrow"], ["narrow"]]):
         starts = np.array([0, *np.cumsum([1] * len(ids))])
         plan = store.plan_reads(BatchLayout.of(ids, starts, np.array([step_index] * len(ids))))
-        reads = store.site_reads(plan, torch.device("cpu"))
+        reads = store.site_reads(plan, torch.device("cpu"), 0)
         for site in reads.sites:
             reads.out[site] = streams[site][step_index].index_select(0, reads.rows)
         store.collect(plan, reads)

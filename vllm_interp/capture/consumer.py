@@ -31,6 +31,7 @@ the stages' results for the caller.
 
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any, ClassVar
 
 import pybase64
@@ -99,12 +100,17 @@ class CaptureMeta:
 
 def site_metadata(sites: list[str]) -> dict[str, Any]:
     """The ``sites``, ``layers`` and ``hooks`` entries of capture metadata for these site names."""
+    layers, hooks = _layers_and_hooks(tuple(sites))
+    return {"sites": list(sites), "layers": list(layers), "hooks": list(hooks)}
+
+
+# Every result's metadata names its sites, and most requests capture the same ones: parsed once per set (this
+# runs on a consumer's thread beside the forward loop, where every request's Python delays the next step).
+@lru_cache(maxsize=1024)
+def _layers_and_hooks(sites: tuple[str, ...]) -> tuple[tuple[int, ...], tuple[str, ...]]:
     captured = [parse_site_name(s) for s in sites]
-    return {
-        "sites": list(sites),
-        "layers": sorted({layer for layer, _ in captured}),
-        "hooks": [hook for hook in HOOKS if any(h == hook for _, h in captured)],
-    }
+    return (tuple(sorted({layer for layer, _ in captured})),
+            tuple(hook for hook in HOOKS if any(h == hook for _, h in captured)))
 
 
 def merge_stages(
@@ -138,6 +144,9 @@ class RequestCapture:
 
     meta: CaptureMeta
     tensors: dict[str, torch.Tensor]
+    # The ``[sites, positions, width]`` block the tensors are views of, in site order, when they are: a consumer
+    # that takes the rows whole uses it instead of stacking them again.
+    block: torch.Tensor | None = None
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         return iter(self.tensors.items())

@@ -7,11 +7,14 @@ block's device memory goes back to the stream's pool at once (later kernels of t
 The store polls the events at later steps, on the forward thread, and lands each copy that has completed
 (waiting for one only when a caller that may wait asks for a request's rows):
 
-- ``PinnedCopy`` (blocks up to ``PINNED_MAX_BYTES``) lands in ordinary memory as a whole; a request's rows are
-  views of it, taken where they are gathered (every-token statistics to ``logging`` on an H100: decode steps
-  1.04x plain; benchmarks/results/bulk-capture-gpu-2026-11-27.md).
-- ``HostCopy`` (larger blocks) lands split into each request's own rows, so that a long request never keeps
-  the others' rows alive.
+- ``WholeCopy`` lands in ordinary memory as a whole, in one copy; a request's rows are views of it, taken where
+  they are gathered. For blocks up to ``WHOLE_MAX_BYTES`` (every-token statistics to ``logging`` on an H100:
+  decode steps 1.04x plain; benchmarks/results/bulk-capture-gpu-2026-11-27.md), and for blocks of any size
+  whose readers all read their last rows in the step (``last_prompt`` captures): those are handed to their
+  consumers as soon as the step lands, so the block is let go within a few steps.
+- ``SplitCopy`` (the other, larger blocks) lands split into each request's own rows, so that a long request
+  never keeps the others' rows alive. Splitting costs a copy per request into fresh memory on the forward
+  thread: a ``last_prompt`` prefill step of 32 requests at 48 sites took 2.3-3.3 ms of it on an H200 host.
 
 No thread takes part. A copier thread used to land large blocks: first copying them itself from a stream of
 its own into pageable memory, which made every CUDA call of the forward thread about ten times slower on an
@@ -26,12 +29,12 @@ import numpy as np
 import torch
 
 # Small enough that a step's block, held by its requests as views until they finish, wastes little memory.
-PINNED_MAX_BYTES = 1 << 20
+WHOLE_MAX_BYTES = 1 << 20
 # Larger blocks (every-token whole rows of a decode step are a few MiB) stay in torch's pinned cache.
 PINNED_CACHED_MAX_BYTES = 64 << 20
 
 
-class HostCopy:
+class SplitCopy:
     """One ``[sites, rows, hidden]`` block on its way to host memory, split by requests: ``part(i)`` holds the
     rows ``splits[i]`` (a request's own copy: a view would keep every other request's rows of the step alive
     for as long as that request runs)."""
@@ -45,7 +48,7 @@ class HostCopy:
             self._pinned, self._event = start_pinned_copy(block)
 
     @classmethod
-    def landed(cls, host: torch.Tensor, splits: list[tuple[int, int]]) -> "HostCopy":
+    def landed(cls, host: torch.Tensor, splits: list[tuple[int, int]]) -> "SplitCopy":
         """Rows already in host memory (a CPU engine): split here, or kept whole for a single request."""
         copy = cls(splits)
         copy.parts = [host] if len(splits) == 1 else split_copies(host, splits)
@@ -60,12 +63,9 @@ class HostCopy:
         if self.parts is None:
             self._event.synchronize()
             self.parts = split_copies(self._pinned, self.splits)
-            nbytes = self._pinned.numel() * self._pinned.element_size()
+            nbytes = _nbytes(self._pinned)
             self._pinned = self._event = None
-            if nbytes > PINNED_CACHED_MAX_BYTES:
-                # torch keeps pinned blocks cached for good, rounded up to a power of two: give back what a
-                # rare large block (a long prompt's eager prefill) took, instead of holding it locked.
-                torch._C._host_emptyCache()  # a private name, present in the pinned torch 2.11
+            _let_go(nbytes)
 
     def part(self, i: int) -> torch.Tensor:
         """Request ``i``'s rows (after ``wait``)."""
@@ -77,16 +77,20 @@ class HostCopy:
         return as_array(self.part(i))
 
 
-class PinnedCopy:
-    """A small block landed in ordinary memory as a whole; ``part`` is a view of it, taken where the request's
-    rows are gathered."""
+class WholeCopy:
+    """A block landed in ordinary memory as a whole; ``part`` is a view of it, taken where the request's rows
+    are gathered."""
 
     def __init__(self, block: torch.Tensor, splits: list[tuple[int, int]]) -> None:
         self.splits = splits
-        pinned, self._event = start_pinned_copy(block)
-        self._pinned: torch.Tensor | None = pinned
+        self._pinned: torch.Tensor | None = None
+        self._event: torch.cuda.Event | None = None
         self._host: torch.Tensor | None = None
         self._array: np.ndarray | None = None  # the same memory, for slicing at numpy's cost
+        if block.is_cuda:
+            self._pinned, self._event = start_pinned_copy(block)
+        else:  # a CPU engine's rows are in host memory already, in a block of their own
+            self._land(block)
 
     def done(self) -> bool:
         return self._host is not None or self._event.query()
@@ -94,8 +98,13 @@ class PinnedCopy:
     def wait(self) -> None:
         if self._host is None:
             self._event.synchronize()
-            self._host, self._pinned = self._pinned.clone(), None
-            self._array = as_array(self._host)
+            self._land(self._pinned.clone())
+            nbytes = _nbytes(self._pinned)
+            self._pinned = self._event = None
+            _let_go(nbytes)
+
+    def _land(self, host: torch.Tensor) -> None:
+        self._host, self._array = host, as_array(host)
 
     def part(self, i: int) -> torch.Tensor:
         assert self._host is not None
@@ -120,6 +129,18 @@ def start_pinned_copy(block: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Eve
     return pinned, event
 
 
+def _let_go(nbytes: int) -> None:
+    """After a landed block's pinned memory (``nbytes``) was copied out and dropped: torch keeps pinned blocks
+    cached for good, rounded up to a power of two, so what a rare large block (a long prompt's eager prefill)
+    took is given back instead of held locked."""
+    if nbytes > PINNED_CACHED_MAX_BYTES:
+        torch._C._host_emptyCache()  # a private name, present in the pinned torch 2.11
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
 def split_copies(host: torch.Tensor, splits: list[tuple[int, int]]) -> list[torch.Tensor]:
     """Copies of ``host[:, start:stop]`` for each split, made in one call: allocated by numpy and copied by
     one multi-tensor copy. A clone per request (64 a step) is 64 torch calls, and each gives up the
@@ -142,11 +163,12 @@ def as_array(tensor: torch.Tensor) -> np.ndarray:
     return tensor.numpy()
 
 
-def to_host(block: torch.Tensor, splits: list[tuple[int, int]]) -> HostCopy | PinnedCopy:
-    """``block`` on its way to host memory, split by ``splits``: landed at once on the CPU; on the GPU copied
-    without waiting, landed whole when small, split per request when large."""
+def to_host(block: torch.Tensor, splits: list[tuple[int, int]], whole: bool = False) -> SplitCopy | WholeCopy:
+    """``block`` on its way to host memory, split by ``splits``: landed whole when ``whole`` (its readers let go
+    of it soon); else landed split at once on the CPU, and on the GPU copied without waiting, to land whole when
+    small and split per request when large."""
+    if whole:
+        return WholeCopy(block, splits)
     if not block.is_cuda:
-        return HostCopy.landed(block, splits)
-    if block.numel() * block.element_size() <= PINNED_MAX_BYTES:
-        return PinnedCopy(block, splits)
-    return HostCopy(splits, block)
+        return SplitCopy.landed(block, splits)
+    return WholeCopy(block, splits) if _nbytes(block) <= WHOLE_MAX_BYTES else SplitCopy(splits, block)

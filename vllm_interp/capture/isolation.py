@@ -72,7 +72,7 @@ class ConsumerProcessError(RuntimeError):
 
 def request_capture(meta: CaptureMeta, block: torch.Tensor) -> RequestCapture:
     """The consumer's view of a ``[sites, positions, hidden]`` block: one tensor per site, in site order."""
-    return RequestCapture(meta, dict(zip(meta.sites, block.unbind(0), strict=True)))
+    return RequestCapture(meta, dict(zip(meta.sites, block.unbind(0), strict=True)), block)
 
 
 class InThread:

@@ -17,13 +17,23 @@ generated token is never fed through the model, so it has no residual.
 
 import re
 from collections.abc import Mapping
+from functools import lru_cache
 from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError, field_validator
 
 from vllm_interp.capture.consumer import EngineFacts
-from vllm_interp.hooks import HOOK_SPELLINGS, HOOKS, Hook, Naming, canonical_hook, parse_site_name, site_name
+from vllm_interp.hooks import (
+    HOOK_INDEX,
+    HOOK_SPELLINGS,
+    HOOKS,
+    Hook,
+    Naming,
+    canonical_hook,
+    parse_site_name,
+    site_name,
+)
 from vllm_interp.request_args import MAX_TOKEN_POSITION, oversized_integer
 
 PositionKeyword = Literal["all", "all_prompt", "last_prompt", "all_generated"]
@@ -88,19 +98,20 @@ class ConsumerSpec(BaseModel):
         """The consumer's own options (every field that is not hooks/positions/tag)."""
         return dict(self.model_extra or {})
 
-    def sites(self, num_layers: int) -> list[tuple[int, Hook]]:
+    def sites(self, num_layers: int) -> tuple[tuple[int, Hook], ...]:
         """(layer, hook) pairs in layer-major, hook order: the order of tensors in every result."""
-        hooks = dict.fromkeys(HOOKS, "all") if self.hooks == "all" else self.hooks
-        chosen = {
-            (layer, hook)
-            for hook, layers in hooks.items()
-            for layer in (range(num_layers) if layers == "all" else layers)
-        }
-        return sorted(chosen, key=lambda site: (site[0], HOOKS.index(site[1])))
+        return _sites(self._hooks_key(), num_layers)
 
     def site_names(self, num_layers: int) -> list[str]:
         """The tensors' names, in the spec's ``naming``."""
         return [site_name(layer, hook, self.naming) for layer, hook in self.sites(num_layers)]
+
+    def _hooks_key(self) -> str | tuple[tuple[str, str | tuple[int, ...]], ...]:
+        """``hooks`` in a hashable form."""
+        if self.hooks == "all":
+            return "all"
+        return tuple((hook, layers if isinstance(layers, str) else tuple(layers))
+                     for hook, layers in self.hooks.items())
 
     def select(self, positions: np.ndarray, prompt_len: int) -> np.ndarray:
         """Boolean mask over ``positions``: which of them this spec captures."""
@@ -138,6 +149,19 @@ class ConsumerSpec(BaseModel):
 
 
 CaptureSpec = dict[str, ConsumerSpec]
+
+
+# Every request decodes its own spec, and most requests of a workload name the same sites: the site list is
+# computed once per distinct ``hooks`` (bounded: the cache drops the least recently used).
+@lru_cache(maxsize=1024)
+def _sites(hooks_key: str | tuple, num_layers: int) -> tuple[tuple[int, Hook], ...]:
+    hooks = dict.fromkeys(HOOKS, "all") if hooks_key == "all" else dict(hooks_key)
+    chosen = {
+        (layer, hook)
+        for hook, layers in hooks.items()
+        for layer in (range(num_layers) if layers == "all" else layers)
+    }
+    return tuple(sorted(chosen, key=lambda site: (site[0], HOOK_INDEX[site[1]])))
 
 
 def _is_type_tag(part: Any) -> bool:

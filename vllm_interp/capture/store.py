@@ -2,9 +2,10 @@
 
 Rows are kept by absolute position, so chunked prefill spreads a request's rows over steps and a preempted
 request that is recomputed overwrites the positions it already had: consumers see each position once. A
-request ends either when the caller asks for its results (``results``, by capture key, with the final
-sequence length) or when the scheduler reports it finished (``finish``: aborts, streaming requests, global
-captures); whichever comes first. It is then finalized (handed to its consumers) as soon as the copies of
+request ends when the caller asks for its results (``results``, by capture key, with the final sequence
+length), when the scheduler reports it finished (``finish``: aborts, streaming requests, global captures), or,
+when its specs read only prompt positions, with the step that read its last prompt rows (``collect``);
+whichever comes first. It is then finalized (handed to its consumers) as soon as the copies of
 its steps have landed in host memory, which the forward thread never waits for: waiting for a second of
 whole rows in flight would stall every request of the engine at each finish (measured on an H100).
 """
@@ -13,7 +14,7 @@ import logging
 from collections.abc import Callable, Container, Iterable
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Any
 
 import numpy as np
@@ -21,7 +22,7 @@ import torch
 
 from vllm_interp.capture.consumer import CaptureMeta, PendingCapture, RowReduction
 from vllm_interp.capture.dispatch import ConsumerRunner
-from vllm_interp.capture.host_copies import HostCopy, PinnedCopy, as_array, to_host
+from vllm_interp.capture.host_copies import SplitCopy, WholeCopy, as_array, to_host
 from vllm_interp.capture.results import ConsumerResult
 from vllm_interp.capture.spec import CaptureSpec, spec_from_wire
 from vllm_interp.hooks import HOOK_INDEX, HOOKS, site_name
@@ -41,7 +42,7 @@ class _Entry:
     key: str | None  # set when the caller fetches results
     specs: CaptureSpec  # those of the consumers this rank runs
     prompt_len: int
-    sites: list[tuple[int, int]]  # (layer, hook index) this rank's consumers want, held on this rank
+    sites: tuple[tuple[int, int], ...]  # (layer, hook index) this rank's consumers want, held on this rank
     # Every spec of the request, whether or not this rank runs its consumer: the positions read and whether
     # a step reads at all (and so runs eagerly) must be the same on every tensor-parallel rank, or one rank
     # replays a CUDA graph while another runs eagerly and their all-reduces no longer match.
@@ -63,6 +64,12 @@ class _Entry:
         return None if None in ends else max(ends)
 
     @cached_property
+    def reads_only_prompt(self) -> bool:
+        """Whether every position its specs read is a prompt position (rows that are the request's whatever
+        it generates)."""
+        return self.last_position is not None and self.last_position < self.prompt_len
+
+    @cached_property
     def reads_from(self) -> int | None:
         """The first position of a request whose specs together read every position from there on (every
         position, or every generated one, with or without the prompt's end): its steps plan that range without
@@ -76,7 +83,7 @@ class _Entry:
 
     @cached_property
     def site_set(self) -> frozenset[tuple[int, int]]:
-        return frozenset(self.sites)
+        return _site_set(self.sites)
 
     def select(self, positions: np.ndarray) -> np.ndarray:
         """Which of ``positions`` some spec reads (a mask)."""
@@ -90,6 +97,26 @@ class _Entry:
             return {}, 0
         positions = np.concatenate([step.plan.positions_of(k) for step, k, _ in self.chunks]).tolist()
         return {position: column for column, position in enumerate(positions)}, len(positions)
+
+
+# A request's sites, per distinct request spec (most requests of a workload want the same sites): its admission,
+# every step's union of the readers' sites and its finalizing look them up instead of building them.
+@lru_cache(maxsize=1024)
+def _held_sites(site_lists: tuple[tuple[tuple[int, str], ...], ...],
+                held: frozenset[int]) -> tuple[tuple[int, int], ...]:
+    """The ``(layer, hook index)`` sites of these specs' site lists on the layers this rank holds, in order."""
+    wanted = {site for sites in site_lists for site in sites}
+    return tuple(sorted((layer, HOOK_INDEX[hook]) for layer, hook in wanted if layer in held))
+
+
+@lru_cache(maxsize=1024)
+def _site_set(sites: tuple[tuple[int, int], ...]) -> frozenset[tuple[int, int]]:
+    return frozenset(sites)
+
+
+@lru_cache(maxsize=1024)
+def _site_names(sites: tuple[tuple[int, int], ...], naming: str) -> tuple[str, ...]:
+    return tuple(site_name(layer, HOOKS[hook], naming) for layer, hook in sites)
 
 
 def _gather(chunks: list["_Chunk"], sites: list[tuple[int, int]], columns: list[int] | None,
@@ -137,12 +164,12 @@ def _gather(chunks: list["_Chunk"], sites: list[tuple[int, int]], columns: list[
         torch.index_select(rows, 1, torch.tensor(columns), out=block)
 
 
-def _part_tensor(source: torch.Tensor | HostCopy | PinnedCopy, k: int) -> torch.Tensor:
+def _part_tensor(source: torch.Tensor | SplitCopy | WholeCopy, k: int) -> torch.Tensor:
     """A chunk's rows: its request's own tensor, or its part of the step's copy."""
     return source if isinstance(source, torch.Tensor) else source.part(k)
 
 
-def _part_array(source: torch.Tensor | HostCopy | PinnedCopy, k: int) -> np.ndarray:
+def _part_array(source: torch.Tensor | SplitCopy | WholeCopy, k: int) -> np.ndarray:
     return as_array(source) if isinstance(source, torch.Tensor) else source.array_part(k)
 
 
@@ -151,16 +178,16 @@ class _StepRows:
     """A step's rows (and row summaries) on their way to host memory, then held for the requests that read
     in it until each finishes."""
 
-    rows: HostCopy | PinnedCopy | None  # [union sites, rows, hidden]; None when no request takes whole rows
-    reduced: dict[RowReduction, HostCopy | PinnedCopy]  # [union sites, rows, width]
+    rows: SplitCopy | WholeCopy | None  # [union sites, rows, hidden]; None when no request takes whole rows
+    reduced: dict[RowReduction, SplitCopy | WholeCopy]  # [union sites, rows, width]
     sites: tuple[tuple[int, int], ...]  # in the rows' order
     plan: ReadPlan
 
-    def copy(self, reduction: RowReduction | None) -> HostCopy | PinnedCopy:
+    def copy(self, reduction: RowReduction | None) -> SplitCopy | WholeCopy:
         """The copy of the rows (None) or of a reduction."""
         return self.rows if reduction is None else self.reduced[reduction]
 
-    def copies(self) -> dict[RowReduction | None, HostCopy | PinnedCopy]:
+    def copies(self) -> dict[RowReduction | None, SplitCopy | WholeCopy]:
         return {**({None: self.rows} if self.rows is not None else {}), **self.reduced}
 
     def done(self) -> bool:
@@ -170,9 +197,9 @@ class _StepRows:
         for copy in self.copies().values():
             copy.wait()
 
-    def hand_out(self) -> dict[RowReduction | None, HostCopy]:
-        """Let go of the large copies, whose parts are each request's own (``HostCopy``), and return them."""
-        large = {key: copy for key, copy in self.copies().items() if isinstance(copy, HostCopy)}
+    def hand_out(self) -> dict[RowReduction | None, SplitCopy]:
+        """Let go of the large copies, whose parts are each request's own (``SplitCopy``), and return them."""
+        large = {key: copy for key, copy in self.copies().items() if isinstance(copy, SplitCopy)}
         if None in large:
             self.rows = None
         self.reduced = {key: copy for key, copy in self.reduced.items() if key not in large}
@@ -185,15 +212,17 @@ _Chunk = tuple[_StepRows, int, dict[RowReduction | None, torch.Tensor] | None]
 
 class CaptureStore:
     def __init__(self, bank: SiteBank, *, num_layers: int, model: str, consumers: dict[str, ConsumerRunner],
-                 global_spec: CaptureSpec, external_id: Callable[[str], str]) -> None:
-        """``external_id``: the caller's request id for the engine's (which may carry a suffix of vLLM's)."""
+                 global_spec: CaptureSpec, external_id: Callable[[str], str], max_graph_tokens: int) -> None:
+        """``external_id``: the caller's request id for the engine's (which may carry a suffix of vLLM's);
+        ``max_graph_tokens``: the most tokens a step that replays a CUDA graph has (0: graphs are off)."""
         self.bank = bank
+        self.max_graph_tokens = max_graph_tokens
         self.external_id = external_id
         self.num_layers = num_layers
         self.model = model
         self.consumers = consumers
         self.global_spec = global_spec
-        self._held = set(bank.layers)
+        self._held = frozenset(bank.layers)
         self._entries: dict[str, _Entry | None] = {}
         self._live: set[str] = set()  # requests whose capture is not finalized yet
         # Live requests that may still read: one whose computed positions passed its specs' last position
@@ -234,9 +263,8 @@ class CaptureStore:
             self._reading.add(req_id)
         return entry
 
-    def _held_sites(self, specs: CaptureSpec) -> list[tuple[int, int]]:
-        wanted = {site for spec in specs.values() for site in spec.sites(self.num_layers)}
-        return sorted((layer, HOOK_INDEX[hook]) for layer, hook in wanted if layer in self._held)
+    def _held_sites(self, specs: CaptureSpec) -> tuple[tuple[int, int], ...]:
+        return _held_sites(tuple(spec.sites(self.num_layers) for spec in specs.values()), self._held)
 
     @property
     def capturing(self) -> bool:
@@ -287,15 +315,17 @@ class CaptureStore:
             return entry.reads_from
         return entry.select(np.arange(position_start, position_start + num_tokens))
 
-    def site_reads(self, plan: ReadPlan, device: torch.device) -> StepReads | None:
-        """What the site ops read this step: the planned rows, at the sites some request of the step wants.
-        Within the graph row budget the graph read buffers are armed too, for the case the step replays."""
+    def site_reads(self, plan: ReadPlan, device: torch.device, step_tokens: int) -> StepReads | None:
+        """What the site ops read this step (of ``step_tokens`` tokens): the planned rows, at the sites some
+        request of the step wants. Within the graph row budget the graph read buffers are armed too, for the case
+        the step replays; a step too large for any graph (a prefill chunk) leaves them as they are: the next step
+        that may replay sets them."""
         # A rank that runs none of the step's consumers plans the same rows (so it decides between graphs and
         # eager execution as the others do) but reads nothing.
         # Requests of a step mostly want the same sites: the union of the distinct sets, not of every request's.
         sites = frozenset().union(*{self._entries[req_id].site_set for req_id in plan.req_ids})
         reads = StepReads(to_device(plan.rows, device), sites) if sites else None
-        if self.bank.graph_read_rows:
+        if self.bank.graph_read_rows and step_tokens <= self.max_graph_tokens:
             self._arm_graph_reads(reads if reads is not None and self.fits_graph(plan.num_rows) else None)
         return reads
 
@@ -338,10 +368,18 @@ class CaptureStore:
         for entry in entries:
             entry.last_step = self._collected
         self._collected += 1
+        # Requests that read their last prompt rows in this step end with it: each goes to its consumers once
+        # the step lands, not when it finishes generating, so the step's block is let go of within a few steps
+        # and may land whole (no copy per request on this thread).
+        ending = [entry for entry in entries if entry.req_id not in self._reading and entry.reads_only_prompt]
+        for entry in ending:
+            self._entries[entry.req_id] = None
+            self._end(entry, None)
+        whole = len(ending) == len(entries)
         # Whole rows leave the device only when some request takes them; summaries are reduced here, on it.
-        rows = to_host(block, splits) if any(e.wants_rows for e in entries) else None
+        rows = to_host(block, splits, whole) if any(e.wants_rows for e in entries) else None
         reductions = frozenset().union(*(e.reductions for e in entries))
-        reduced = {r: to_host(r.reduce(block), splits) for r in reductions}
+        reduced = {r: to_host(r.reduce(block), splits, whole) for r in reductions}
         self._pending.append(_StepRows(rows, reduced, tuple(sites), plan))
 
     def _graph_site_index(self, sites: tuple[tuple[int, int], ...]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -444,7 +482,7 @@ class CaptureStore:
         columns, num_columns = entry.columns()
         futures = {}
         for name, spec in entry.specs.items():
-            sites = [(layer, HOOK_INDEX[hook]) for layer, hook in spec.sites(self.num_layers) if layer in self._held]
+            sites = _held_sites((spec.sites(self.num_layers),), self._held)
             if not sites:
                 continue  # another pipeline stage holds this consumer's layers
             futures[name] = self._submit(name, spec, entry, columns, num_columns, sites, computed)
@@ -467,7 +505,7 @@ class CaptureStore:
             logger.warning("capture results for key %s were never claimed; dropped them", key)
 
     def _submit(self, name: str, spec: Any, entry: _Entry, columns: dict[int, int], num_columns: int,
-                sites: list[tuple[int, int]], computed: int) -> Future:
+                sites: tuple[tuple[int, int], ...], computed: int) -> Future:
         expected = spec.expected_positions(entry.prompt_len, computed)
         if isinstance(spec.positions, list):
             beyond = sorted(set(spec.positions) - set(expected))
@@ -491,7 +529,7 @@ class CaptureStore:
         meta = CaptureMeta(
             request_id=self.external_id(entry.req_id), tag=spec.tag, model=self.model,
             prompt_len=entry.prompt_len, positions=present,
-            sites=[site_name(layer, HOOKS[hook], spec.naming) for layer, hook in sites],
+            sites=list(_site_names(sites, spec.naming)),
             dtype=str(dtype).removeprefix("torch."), options=spec.options,
         )
         status = "partial_error" if message else "ok"

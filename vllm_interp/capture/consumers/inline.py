@@ -70,9 +70,11 @@ class ResidualReadout:
         block = unpack(result["rows"])
         return cls(list(metadata["positions"]), dict(zip(metadata["sites"], block.unbind(0), strict=True)), metadata)
 
-    def to_result(self) -> dict[str, Any]:
-        """One ``[sites, positions, hidden]`` block, packed (``capture.packed``): one copy however many sites."""
-        block = torch.stack(list(self.tensors.values())) if self.tensors else torch.empty(0)
+    def to_result(self, block: torch.Tensor | None = None) -> dict[str, Any]:
+        """One ``[sites, positions, hidden]`` block, packed (``capture.packed``): one copy however many sites.
+        ``block``: the tensors already stacked in that order (a capture's block), taken as is."""
+        if block is None:
+            block = torch.stack(list(self.tensors.values())) if self.tensors else torch.empty(0)
         metadata = {**self.metadata, "sites": list(self.tensors), "dtype": str(block.dtype).removeprefix("torch.")}
         return {"metadata": metadata, "rows": pack(block)}
 
@@ -86,7 +88,8 @@ class InlineConsumer(CaptureConsumer):
     name = "inline"
 
     def consume(self, capture: RequestCapture) -> dict[str, Any]:
-        return ResidualReadout(capture.meta.positions, capture.tensors, capture.meta.to_json()).to_result()
+        readout = ResidualReadout(capture.meta.positions, capture.tensors, capture.meta.to_json())
+        return readout.to_result(capture.block)
 
     @classmethod
     def merge_results(cls, results: list[dict[str, Any]]) -> dict[str, Any]:

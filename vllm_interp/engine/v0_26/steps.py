@@ -66,7 +66,8 @@ class InterpSteps:
         # Patching and capture act on a few requests of a large batch: only theirs get planned.
         patch = None if patching is None else patching.plan(layout.slices(only=patching.patched_ids))
         reads = self.interp_store.plan_reads(layout)
-        self._interp_step = StepPlan(steer, patch, reads, self.interp_store.site_reads(reads, self.device))
+        self._interp_step = StepPlan(steer, patch, reads, self.interp_store.site_reads(reads, self.device,
+                                                                                          layout.total_tokens))
 
     def _plan_steering(self, layout: BatchLayout) -> frozenset[tuple[int, int]]:
         tables = self.interp_steering

@@ -37,6 +37,8 @@ TOUCHPOINTS = (
                "the sites go in after the weights load, before the profile run traces the model"),
     Touchpoint("vllm.v1.worker.gpu_worker:Worker.shutdown", "override", "consumers drain before the process exits"),
     Touchpoint("vllm.distributed:get_pp_group", "call", "a pipeline stage reports its own layers"),
+    Touchpoint("vllm.config:CompilationConfig", "read", "steps of more tokens than any CUDA graph never replay one",
+               params=("max_cudagraph_capture_size",)),
     Touchpoint("vllm.distributed:get_tensor_model_parallel_rank", "call", "tensor-parallel rank 0 alone consumes rows"),
     Touchpoint("vllm.model_executor.models.utils:PPMissingLayer", "read", "layers another stage holds get no sites"),
 )
@@ -97,7 +99,8 @@ class InterpWorkerMixin:
                                                policy=config.capture_overload_policy,
                                                queue_bytes=setup.queue_bytes, spill_dir=setup.spill_dir)
         return CaptureStore(bank, num_layers=num_layers, model=str(model_config.served_model_name),
-                            consumers=runners, global_spec=global_spec, external_id=request_ids.external_request_id)
+                            consumers=runners, global_spec=global_spec, external_id=request_ids.external_request_id,
+                            max_graph_tokens=self.vllm_config.compilation_config.max_cudagraph_capture_size or 0)
 
     def interp_describe_sites(self) -> dict[str, Any]:
         return {**self.model_runner.interp_store.bank.descriptor(), "runner": self.interp_runner}
