@@ -8,13 +8,14 @@ The store polls the events at later steps, on the forward thread, and lands each
 (waiting for one only when a caller that may wait asks for a request's rows):
 
 - ``WholeCopy`` lands in ordinary memory as a whole, in one copy; a request's rows are views of it, taken where
-  they are gathered. For blocks up to ``WHOLE_MAX_BYTES`` (every-token statistics to ``logging`` on an H100:
+  they are gathered. For blocks up to ``WHOLE_MAX_BYTES`` on the GPU (every-token statistics to ``logging`` on an H100:
   decode steps 1.04x plain; benchmarks/results/bulk-capture-gpu-2026-11-27.md), and for blocks of any size
   whose readers all read their last rows in the step (``last_prompt`` captures): those are handed to their
   consumers as soon as the step lands, so the block is let go within a few steps.
-- ``SplitCopy`` (the other, larger blocks) lands split into each request's own rows, so that a long request
-  never keeps the others' rows alive. Splitting costs a copy per request into fresh memory on the forward
-  thread: a ``last_prompt`` prefill step of 32 requests at 48 sites took 2.3-3.3 ms of it on an H200 host.
+- ``SplitCopy`` (the other blocks: larger ones on the GPU, all of them on a CPU engine) lands split into each
+  request's own rows, so that a long request never keeps the others' rows alive. Splitting costs a copy per
+  request into fresh memory on the forward thread: a ``last_prompt`` prefill step of 32 requests at 48 sites
+  took 2.3-3.3 ms of it on an H200 host.
 
 No thread takes part. A copier thread used to land large blocks: first copying them itself from a stream of
 its own into pageable memory, which made every CUDA call of the forward thread about ten times slower on an
