@@ -18,6 +18,8 @@
   token's event of a capturing stream through the middleware (microseconds).
 - The worker admitting a request whose all-layer steering config is new (its table rows written), per config;
   ``--device cuda`` puts that table on the GPU (host time, uploads included).
+- A forward-like loop beside an ``inline`` consumer's runner thread busy with 32 requests: the interpreter
+  lock's handoffs, with the forward gate open and closed (``capture.dispatch.FORWARD``).
 - One request's rows (512 positions) handed to an ``isolation=thread`` consumer: fresh memory against the
   reused block.
 
@@ -36,6 +38,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from functools import partial
 from types import SimpleNamespace
 
@@ -53,7 +56,7 @@ from vllm_interp.capture.consumer import (
 )
 from vllm_interp.capture.consumers.inline import InlineConsumer, ResidualReadout
 from vllm_interp.capture.consumers.logging import LoggingConsumer
-from vllm_interp.capture.dispatch import ConsumerRunner
+from vllm_interp.capture.dispatch import ConsumerRunner, ForwardGate
 from vllm_interp.capture.host_copies import as_array, split_copies
 from vllm_interp.capture.isolation import InThread
 from vllm_interp.capture.results import ConsumerResult, result_to_json
@@ -279,6 +282,45 @@ def in_thread_ms(args: argparse.Namespace) -> dict[str, float]:
             "into the reused block": per_call_s(lambda: host.submit(pending).result(), repeats) * 1e3}
 
 
+def beside_consumers_ms(args: argparse.Namespace) -> dict[str, tuple[float, float]]:
+    """A forward-like loop on this thread (1,500 small tensor ops, each giving up the interpreter lock as a
+    forward's launches do) alone, beside an ``inline`` runner consuming 32 ``last_prompt`` requests at every
+    site (the gate left open), and the same with the forward gate closed around the loop, as the runner mixins
+    close it. Per variant, medians in ms: the loop, and the wait after it until the 32 are consumed."""
+    sites = [site_name(layer, hook) for layer in range(args.layers) for hook in HOOKS]
+    context = ConsumerContext("inline", {}, "m", num_layers=args.layers, hidden_size=args.hidden)
+    gate = ForwardGate()
+    runner = ConsumerRunner(InThread(InlineConsumer(context)), policy="block", queue_bytes=1 << 30, gate=gate)
+    rows = torch.randn(len(sites), 1, args.hidden).to(torch.bfloat16)
+    stream = torch.randn(64, 64)
+
+    def pending() -> PendingCapture:
+        meta = CaptureMeta(request_id="r", tag=None, model="m", prompt_len=512, positions=[511], sites=sites,
+                           dtype="bfloat16")
+        return PendingCapture(meta, args.hidden, torch.bfloat16, lambda block: block.copy_(rows))
+
+    def loop_and_rest(requests: int, gated: bool) -> tuple[float, float]:
+        futures = [runner.submit(pending(), ConsumerResult(status="ok")) for _ in range(requests)]
+        start = time.perf_counter()
+        with gate.launching() if gated else nullcontext():
+            for _ in range(1500):
+                stream.add_(0.0)
+        looped = time.perf_counter()
+        for future in futures:
+            future.result()
+        return (looped - start) * 1e3, (time.perf_counter() - looped) * 1e3
+
+    def medians(requests: int, gated: bool) -> tuple[float, float]:
+        runs = [loop_and_rest(requests, gated) for _ in range(max(args.repeats // 100, 5))]
+        return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+
+    try:
+        return {"alone": medians(0, False), "beside the runner": medians(32, False),
+                "beside the runner, gate closed around the loop": medians(32, True)}
+    finally:
+        runner.close()
+
+
 class NullConsumer(CaptureConsumer):
     def consume(self, capture: RequestCapture) -> dict:
         return {}
@@ -364,6 +406,10 @@ def main() -> None:
         print(f"  {what}: {value:.3f}" + ("" if what.endswith("KB") else " ms"))
     print(f"The worker admitting a new all-layer steering config (its table rows): {new_config_ms(args):.3f} ms")
     print(f"A capturing stream's token event through the middleware: {stream_event_us(args):.2f} us")
+    print("A forward-like loop of 1,500 small ops beside 32 inline requests' consumption (the loop / the wait "
+          "after it for the requests):")
+    for what, (loop_ms, rest_ms) in beside_consumers_ms(args).items():
+        print(f"  {what}: {loop_ms:.2f} / {rest_ms:.2f} ms")
     print("One request's rows to an isolation=thread consumer that does nothing:")
     for what, value in in_thread_ms(args).items():
         print(f"  {what}: {value:.1f} ms")

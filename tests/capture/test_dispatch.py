@@ -14,7 +14,7 @@ import torch
 
 from vllm_interp.capture.consumer import CaptureConsumer, CaptureMeta, ConsumerContext, PendingCapture, RequestCapture
 from vllm_interp.capture.consumers.inline import InlineConsumer, ResidualReadout
-from vllm_interp.capture.dispatch import ConsumerRunner
+from vllm_interp.capture.dispatch import ConsumerRunner, ForwardGate
 from vllm_interp.capture.isolation import InThread
 from vllm_interp.capture.plugins import DEFAULT_QUEUE_MB, configure_consumers
 from vllm_interp.capture.results import ConsumerResult, merge_stage_results, result_to_json
@@ -247,6 +247,32 @@ def test_block_policy_gives_up_on_a_stalled_consumer(make_runner):
     assert first_future.result(WAIT_S).status == "ok"
     third = make_capture("req-3")
     assert runner.submit(PendingCapture.of(third), base_result(third)).result(WAIT_S).status == "ok"
+
+
+def test_requests_wait_while_the_worker_launches_a_forward(make_runner):
+    """A runner takes no request while the forward gate is closed (the worker launching a step), and takes
+    what queued meanwhile once it opens."""
+    gate = ForwardGate()
+    runner, consumer = make_runner("block", gate=gate)
+    capture = make_capture("req-1")
+    with gate.launching():
+        future = runner.submit(PendingCapture.of(capture), base_result(capture))
+        assert not consumer.started.wait(0.2), "the consumer ran while the worker launched a forward"
+    assert future.result(WAIT_S).status == "ok"
+
+
+def test_block_policy_opens_the_forward_gate_while_it_waits(make_runner):
+    """The worker waiting for room inside a step (the gate closed) lets the runner make that room: the
+    request is queued, not dropped as if the consumer had stalled."""
+    gate = ForwardGate()
+    runner, consumer = make_runner("block", queue_bytes=one_capture_bytes(), block_timeout_s=WAIT_S, gate=gate)
+    first, second = make_capture("req-1"), make_capture("req-2")
+    with gate.launching():
+        first_future = runner.submit(PendingCapture.of(first), base_result(first))
+        second_future = runner.submit(PendingCapture.of(second), base_result(second))
+        assert not gate._open.is_set()  # closed again once the wait is over
+    assert [f.result(WAIT_S).status for f in (first_future, second_future)] == ["ok", "ok"]
+    assert [c.meta.request_id for c in consumer.seen] == ["req-1", "req-2"]
 
 
 def test_close_drains_the_queue_then_closes_the_consumer(make_runner):

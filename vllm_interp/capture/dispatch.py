@@ -14,6 +14,14 @@ The queue is bounded in bytes (``queue_mb``). When a finished request's rows do 
 - ``drop``: the request's rows are dropped for this consumer; its result is an ``error`` that counts them;
 - ``spill``: the rows wait in a safetensors file under ``spill_dir`` and are consumed, in order, later; the
   result counts them as ``spilled``.
+
+The threads share the worker's interpreter lock with the forward loop, which gives it up and takes it back
+around every tensor op it launches (1,500 and more a step). A consumer thread busy beside that loop makes each
+of those handoffs wait: on the dev CPU a loop of 1,500 small ops took 4.7 ms alone and 9-19 ms beside a runner
+consuming 32 ``inline`` requests (about 10 ms of work on its thread), 4.8 ms with the gate closed around it
+(``benchmarks/host_costs.py``). So a runner takes its next
+request only while the worker is not launching a forward (``FORWARD``, which the runner mixins close around
+it): between steps, and while the engine waits for the device, as a GPU engine mostly does.
 """
 
 import logging
@@ -21,7 +29,9 @@ import os
 import tempfile
 import threading
 from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -37,6 +47,39 @@ logger = logging.getLogger(__name__)
 
 OverloadPolicy = Literal["block", "drop", "spill"]
 BLOCK_TIMEOUT_S = 60.0
+
+
+class ForwardGate:
+    """Open unless the worker is launching a forward (``launching``); consumer runners take work only while it
+    is open. The worker's own wait for a consumer (``waiting``) opens it, so that the wait can end."""
+
+    def __init__(self) -> None:
+        self._open = threading.Event()
+        self._open.set()
+
+    @contextmanager
+    def launching(self) -> Iterator[None]:
+        self._open.clear()
+        try:
+            yield
+        finally:
+            self._open.set()
+
+    @contextmanager
+    def waiting(self) -> Iterator[None]:
+        was_open = self._open.is_set()
+        self._open.set()
+        try:
+            yield
+        finally:
+            if not was_open:
+                self._open.clear()
+
+    def wait_open(self) -> None:
+        self._open.wait()
+
+
+FORWARD = ForwardGate()  # the worker process's forward loop (one per process)
 
 
 @dataclass
@@ -55,8 +98,10 @@ class ConsumerRunner:
     """Feeds one consumer (through its host) from a queue on its own thread."""
 
     def __init__(self, host: InThread | InProcess, *, policy: OverloadPolicy, queue_bytes: int,
-                 spill_dir: str | None = None, block_timeout_s: float = BLOCK_TIMEOUT_S) -> None:
+                 spill_dir: str | None = None, block_timeout_s: float = BLOCK_TIMEOUT_S,
+                 gate: ForwardGate = FORWARD) -> None:
         self.host = host
+        self.gate = gate
         self.row_reduction = host.row_reduction  # what the store hands this consumer: rows or their summaries
         self.policy = policy
         self.queue_bytes = queue_bytes
@@ -77,15 +122,19 @@ class ConsumerRunner:
             if self._queued and self._queued + capture.nbytes > self.queue_bytes:
                 if self.policy == "spill":
                     self._spill(job)
-                elif self.policy == "drop" or not self._cond.wait_for(
-                        lambda: not self._queued or self._queued + capture.nbytes <= self.queue_bytes,
-                        timeout=self.block_timeout_s):
+                elif self.policy == "drop" or not self._wait_for_room(capture.nbytes):
                     job.future.set_result(self._dropped(result))
                     return job.future
             self._queued += job.queued_bytes
             self._jobs.append(job)
             self._cond.notify_all()
         return job.future
+
+    def _wait_for_room(self, nbytes: int) -> bool:
+        """The ``block`` policy's wait (holding ``_cond``), with the gate open: the worker may be in a step."""
+        with self.gate.waiting():
+            return self._cond.wait_for(lambda: not self._queued or self._queued + nbytes <= self.queue_bytes,
+                                       timeout=self.block_timeout_s)
 
     def _dropped(self, result: ConsumerResult) -> ConsumerResult:
         name, queued, limit = self.host.context.name, self._queued >> 20, self.queue_bytes >> 20
@@ -134,6 +183,7 @@ class ConsumerRunner:
             if job is None:
                 self.host.settle()
                 return
+            self.gate.wait_open()
             try:
                 outcome = self.host.submit(job.capture)
             except Exception as exc:  # the rows could not be gathered or sent

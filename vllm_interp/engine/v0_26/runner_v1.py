@@ -11,11 +11,12 @@ model), in the order a step calls them:
 - ``_determine_batch_execution_and_padding``: a step that captures more rows than the graph read buffers
   hold (``--max-graph-capture-rows``) runs without CUDA graphs; others keep them;
 - ``_model_forward``: called once per real step (never for dummy or profile runs): the plan is published
-  around it.
+  around it, and consumer threads wait while it runs (``capture.dispatch.FORWARD``).
 """
 
 from typing import Any
 
+from vllm_interp.capture.dispatch import FORWARD
 from vllm_interp.engine.touchpoints import Touchpoint
 from vllm_interp.engine.v0_26.steps import InterpSteps
 
@@ -72,12 +73,13 @@ class InterpV1RunnerMixin(InterpSteps):
         return super()._determine_batch_execution_and_padding(*args, **kwargs)
 
     def _model_forward(self, *args, **kwargs):
-        if self._interp_step is None:
-            return super()._model_forward(*args, **kwargs)
-        self._interp_publish()
-        try:
-            output = super()._model_forward(*args, **kwargs)
-        finally:
-            step = self._interp_retire()
-        self._interp_collect(step)
-        return output
+        with FORWARD.launching():
+            if self._interp_step is None:
+                return super()._model_forward(*args, **kwargs)
+            self._interp_publish()
+            try:
+                output = super()._model_forward(*args, **kwargs)
+            finally:
+                step = self._interp_retire()
+            self._interp_collect(step)
+            return output

@@ -11,7 +11,8 @@ model):
   and prompt length kept: preempted requests come back as new ones) and finished ones finished; a step
   capturing more rows than the graph read buffers hold passes ``is_profile=True``, which in 0.26 does
   nothing but select eager execution; after it, the plan is retired and the step's reads start to copy.
-  Dummy runs (warm-up, graph capture, profiling) are passed through untouched.
+  Consumer threads wait while it runs (``capture.dispatch.FORWARD``). Dummy runs (warm-up, graph capture,
+  profiling) are otherwise passed through untouched.
 - ``prepare_inputs``: lays out the batch (``InputBatch``); the step is planned and published right after,
   before the forward that ``execute_model`` runs next.
 """
@@ -21,6 +22,7 @@ from typing import Any
 
 from vllm.config import CUDAGraphMode
 
+from vllm_interp.capture.dispatch import FORWARD
 from vllm_interp.engine.touchpoints import Touchpoint
 from vllm_interp.engine.v0_26.steps import InterpSteps
 
@@ -64,17 +66,18 @@ class InterpV2RunnerMixin(InterpSteps):
 
     def execute_model(self, scheduler_output, intermediate_tensors=None, dummy_run: bool = False,
                       skip_attn_for_dummy_run: bool = False, is_profile: bool = False):
-        if not dummy_run:
-            self._interp_arrivals(scheduler_output)
-            if self.interp_store.capturing and not self.interp_store.fits_graph(self._interp_count_reads(
-                    scheduler_output)):
-                is_profile = True
-        try:
-            output = super().execute_model(scheduler_output, intermediate_tensors, dummy_run,
-                                           skip_attn_for_dummy_run, is_profile)
-        finally:
-            step = self._interp_retire()
-        self._interp_collect(step)
+        with FORWARD.launching():
+            if not dummy_run:
+                self._interp_arrivals(scheduler_output)
+                if self.interp_store.capturing and not self.interp_store.fits_graph(self._interp_count_reads(
+                        scheduler_output)):
+                    is_profile = True
+            try:
+                output = super().execute_model(scheduler_output, intermediate_tensors, dummy_run,
+                                               skip_attn_for_dummy_run, is_profile)
+            finally:
+                step = self._interp_retire()
+            self._interp_collect(step)
         return output
 
     def prepare_inputs(self, scheduler_output, batch_desc):
