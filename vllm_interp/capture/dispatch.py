@@ -19,9 +19,9 @@ The threads share the worker's interpreter lock with the forward loop, which giv
 around every tensor op it launches (1,500 and more a step). A consumer thread busy beside that loop makes each
 of those handoffs wait: on the dev CPU a loop of 1,500 small ops took 4.7 ms alone and 9-19 ms beside a runner
 consuming 32 ``inline`` requests (about 10 ms of work on its thread), 4.8 ms with the gate closed around it
-(``benchmarks/host_costs.py``). So a runner takes its next
-request only while the worker is not launching a forward (``FORWARD``, which the runner mixins close around
-it): between steps, and while the engine waits for the device, as a GPU engine mostly does.
+(``benchmarks/host_costs.py``). So a runner takes its next request only while the worker is not launching a
+forward (``FORWARD``, which the runner mixins close around it): between steps, and while the engine waits for
+the device, as a GPU engine mostly does.
 """
 
 import logging

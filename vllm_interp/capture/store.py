@@ -242,7 +242,8 @@ class CaptureStore:
 
     # -- planning ---------------------------------------------------------------------------------------
     def lookup(self, req_id: str, extra_args: dict[str, Any] | None, prompt_len: int) -> _Entry | None:
-        # A request finalized by a results call stays here as None until the scheduler reports it finished.
+        # A request ended before it finished (``_end_while_running``) stays here as None until the scheduler
+        # reports it finished.
         if req_id in self._entries:
             return self._entries[req_id]
         args = interp_args(extra_args)
@@ -373,8 +374,7 @@ class CaptureStore:
         # and may land whole (no copy per request on this thread).
         ending = [entry for entry in entries if entry.req_id not in self._reading and entry.reads_only_prompt]
         for entry in ending:
-            self._entries[entry.req_id] = None
-            self._end(entry, None)
+            self._end_while_running(entry, None)
         whole = len(ending) == len(entries)
         # Whole rows leave the device only when some request takes them; summaries are reduced here, on it.
         rows = to_host(block, splits, whole) if any(e.wants_rows for e in entries) else None
@@ -436,6 +436,12 @@ class CaptureStore:
                 self._end(entry, None)
         self._drain(needed=())
 
+    def _end_while_running(self, entry: _Entry, length: int | None) -> None:
+        """End a request the scheduler still runs: it stays known as None, so that it captures nothing more
+        (a preempted request comes back through ``lookup``) until the scheduler reports it finished."""
+        self._entries[entry.req_id] = None
+        self._end(entry, length)
+
     def _end(self, entry: _Entry, length: int | None) -> None:
         self._live.discard(entry.req_id)
         self._reading.discard(entry.req_id)
@@ -453,8 +459,7 @@ class CaptureStore:
             req_id = self._by_key.get(key)
             entry = self._entries.get(req_id) if req_id is not None else None
             if entry is not None:
-                self._entries[req_id] = None
-                self._end(entry, length)
+                self._end_while_running(entry, length)
         # A caller that may wait (offline) waits for the copies too; the API server's polls (no wait) run
         # between the engine's steps and take only what has landed.
         self._drain(needed={self._by_key.get(key) for key in lengths} if wait_s > 0 else ())
