@@ -2,7 +2,8 @@
 requests that capture nothing.
 
     python -m benchmarks.bulk_capture MODEL --out FILE.md [--concurrency 64] [--prompt-tokens 256]
-        [--max-tokens 256] [--rounds 2] [--isolation process|thread] [--server-arg=--enforce-eager ...]
+        [--max-tokens 256] [--rounds 2] [--isolation process|thread] [--phases plain,logging_packed,...]
+        [--py-spy PATH] [--server-arg=--enforce-eager ...]
 
 One server with the ``logging`` consumer and the ``filesystem`` consumer (``layout=sharded``), each where it
 runs by default (``logging`` on a worker thread, ``filesystem`` in its own process; ``--isolation`` puts both
@@ -17,11 +18,16 @@ a burst against the one before it, the bytes of rows each capturing phase captur
 shards on disk after shutdown, the server processes' peak
 resident memory, and, on the capture root's disk, the rate of the sink's own shard writer against a plain
 sequential write of the same bytes (A B A B, each synced to disk).
+
+``--py-spy PATH`` (a py-spy binary) samples the engine core's threads during each capturing phase, idle time
+included, into ``py-spy-<round>-<phase>.txt`` beside ``--out`` (collapsed stacks, one line per distinct stack).
 """
 
 import argparse
 import json
 import os
+import signal
+import subprocess
 import tempfile
 import threading
 import time
@@ -70,6 +76,32 @@ class RssWatch(threading.Thread):
                 continue
             for name, mb in rss.items():
                 self.peak[name] = max(self.peak.get(name, 0.0), mb)
+
+
+class EngineSampler:
+    """py-spy sampling one process (the engine core) while a phase runs: ``start`` before it, ``stop`` after."""
+
+    def __init__(self, binary: str, server_pid: int, out_dir: Path) -> None:
+        self.binary, self.out_dir = binary, out_dir
+        cores = [p for p in psutil.Process(server_pid).children(recursive=True) if "EngineCore" in p.name()
+                 or any("EngineCore" in part for part in p.cmdline()[:1])]
+        if not cores:
+            raise RuntimeError("py-spy: no EngineCore process under the server")
+        self.pid = cores[0].pid
+        self._process: subprocess.Popen | None = None
+
+    def start(self, label: str) -> None:
+        self._process = subprocess.Popen(
+            [self.binary, "record", "--pid", str(self.pid), "--idle", "--threads", "--nonblocking", "--rate", "200",
+             "--format", "raw", "--output", str(self.out_dir / f"py-spy-{label}.txt")],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(0.5)  # attached before the phase's first request
+
+    def stop(self) -> None:
+        if self._process is not None:
+            self._process.send_signal(signal.SIGINT)  # py-spy writes what it sampled on SIGINT
+            self._process.wait(60)
+            self._process = None
 
 
 def dtype_size(config: dict[str, Any], server_args: list[str]) -> int:
@@ -177,7 +209,13 @@ def main() -> None:
     parser.add_argument("--disk-mb", type=int, default=2048, help="bytes per disk-rate round")
     parser.add_argument("--server-arg", action="append", default=[], help="passed to the server (repeatable)")
     parser.add_argument("--start-timeout", type=float, default=600)
+    parser.add_argument("--phases", default=",".join(PHASES), help="which of the phases to run (plain always)")
+    parser.add_argument("--py-spy", default=None, help="py-spy binary: sample the engine core in capturing phases")
     args = parser.parse_args()
+    unknown = set(args.phases.split(",")) - set(PHASES)
+    if unknown:
+        parser.error(f"--phases: unknown {sorted(unknown)} (known: {', '.join(PHASES)})")
+    phase_names = [name for name in PHASES if name == "plain" or name in args.phases.split(",")]
     config = json.loads((Path(args.model) / "config.json").read_text())
     layers, hidden, vocab = config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]
     itemsize = dtype_size(config, args.server_arg)
@@ -199,6 +237,7 @@ def main() -> None:
         watch = RssWatch(server.pid)
         watch.start()
         rng = torch.Generator().manual_seed(0)
+        sampler = EngineSampler(args.py_spy, server.pid, Path(args.out).parent) if args.py_spy else None
 
         def body(capture: dict[str, Any] | None) -> dict[str, Any]:
             prompt = torch.randint(100, vocab - 100, (args.prompt_tokens,), generator=rng).tolist()
@@ -208,9 +247,14 @@ def main() -> None:
 
         run_requests(url, [body(None) for _ in range(2)], 2)  # one-off costs of the first requests
         for round_index in range(args.rounds):
-            for name in PHASES:
+            for name in phase_names:
                 capture = CAPTURES.get(name)
-                stats = run_requests(url, [body(capture) for _ in range(args.requests)], args.concurrency)
+                bodies = [body(capture) for _ in range(args.requests)]
+                if sampler and capture:
+                    sampler.start(f"{round_index}-{name}")
+                stats = run_requests(url, bodies, args.concurrency)
+                if sampler and capture:
+                    sampler.stop()
                 # Every position but the last generated one goes through the model, at every layer.
                 rows = len(stats.ok) * (args.prompt_tokens + args.max_tokens - 1) * layers if capture else 0
                 phases.append(Phase(round_index, name, stats, rows * hidden * itemsize))
