@@ -5,28 +5,17 @@ with a row reduction, a small ``[sites, rows, width]`` block of summaries). The 
 asynchronous copy of it into pinned host memory on its own stream and records an event, then goes on; the
 block's device memory goes back to the stream's pool at once (later kernels of the stream run after the copy).
 The store polls the events at later steps, on the forward thread, and lands each copy that has completed
-(waiting for one only when a caller that may wait asks for a request's rows).
-
-On the GPU a landed block stays where it landed, in pinned memory, while the pinned memory so held stays within
-``PINNED_HOLD_MAX_BYTES`` (``PINNED``): each request's rows are views of it, and the block goes back to torch's
-pinned cache when the last of them is let go, to be reused by a later step. Landing a block any other way costs
-the forward thread a copy of every byte into fresh memory: on an H200 host, 64 every-token requests at 16
-sites of a 2048-wide bf16 model spent about 1.6 s of each 5 s burst there (splitting prefill chunks' 512 MiB
-blocks per request, 0.95 s; pinning them anew, 0.45 s; giving the pinned memory back, 0.17 s; py-spy,
-benchmarks/results/bulk-capture-gpu-2026-11-28.md). Past the budget, and on a CPU engine (whose rows are in
-ordinary memory already), a block lands as its kind says:
+(waiting for one only when a caller that may wait asks for a request's rows):
 
 - ``WholeCopy`` lands in ordinary memory as a whole, in one copy; a request's rows are views of it, taken where
-  they are gathered. For blocks up to ``WHOLE_MAX_BYTES`` on the GPU (every-token statistics to ``logging``),
-  and for blocks of any size whose readers all read their last rows in the step (``last_prompt`` captures):
-  those are handed to their consumers as soon as the step lands, so the block is let go within a few steps.
+  they are gathered. For blocks up to ``WHOLE_MAX_BYTES`` on the GPU (every-token statistics to ``logging`` on an H100:
+  decode steps 1.04x plain; benchmarks/results/bulk-capture-gpu-2026-11-27.md), and for blocks of any size
+  whose readers all read their last rows in the step (``last_prompt`` captures): those are handed to their
+  consumers as soon as the step lands, so the block is let go within a few steps.
 - ``SplitCopy`` (the other blocks: larger ones on the GPU, all of them on a CPU engine) lands split into each
   request's own rows, so that a long request never keeps the others' rows alive. Splitting costs a copy per
   request into fresh memory on the forward thread: a ``last_prompt`` prefill step of 32 requests at 48 sites
   took 2.3-3.3 ms of it on an H200 host.
-
-Held blocks do keep rows alive that way (a step's block lives until its longest reader is gathered), which the
-budget bounds; and torch keeps the pinned memory they used cached for later blocks rather than give it back.
 
 No thread takes part. A copier thread used to land large blocks: first copying them itself from a stream of
 its own into pageable memory, which made every CUDA call of the forward thread about ten times slower on an
@@ -37,9 +26,6 @@ and splitting on the forward thread instead was faster in each of three rounds (
 interpreter lock than the copy it takes off it.
 """
 
-import threading
-import weakref
-
 import numpy as np
 import torch
 
@@ -47,37 +33,6 @@ import torch
 WHOLE_MAX_BYTES = 1 << 20
 # Larger blocks (every-token whole rows of a decode step are a few MiB) stay in torch's pinned cache.
 PINNED_CACHED_MAX_BYTES = 64 << 20
-# Pinned memory that landed blocks may hold at once (torch rounds each block up to a power of two): enough for
-# every row of a burst of 64 every-token requests of 512 positions at 16 sites of a 2048-wide bf16 model (2.1 GB).
-PINNED_HOLD_MAX_BYTES = 4 << 30
-
-
-class PinnedBudget:
-    """How much pinned memory landed blocks hold, within ``limit`` bytes: ``hold`` admits a block and counts
-    it until the block and every view of it are gone."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.held = 0
-        self._lock = threading.Lock()  # a block's last view may be let go on a consumer's runner thread
-
-    def hold(self, block: torch.Tensor) -> bool:
-        """Whether ``block`` may stay as it is; if so it is counted until it is collected (its views refer to
-        it, so that is when the last of them goes)."""
-        nbytes = _nbytes(block)
-        with self._lock:
-            if self.held + nbytes > self.limit:
-                return False
-            self.held += nbytes
-        weakref.finalize(block, self._release, nbytes)
-        return True
-
-    def _release(self, nbytes: int) -> None:
-        with self._lock:
-            self.held -= nbytes
-
-
-PINNED = PinnedBudget(PINNED_HOLD_MAX_BYTES)
 
 
 class SplitCopy:
@@ -104,16 +59,14 @@ class SplitCopy:
         return self.parts is not None or self._event.query()
 
     def wait(self) -> None:
-        """Land the copy: each request's rows are views of the pinned block while the budget holds it, else
-        copies in ordinary memory of their own (the pinned memory goes back to torch's cache at once)."""
+        """Land the copy: each request's rows in ordinary memory of their own (the pinned memory goes back to
+        torch's cache at once)."""
         if self.parts is None:
             self._event.synchronize()
-            pinned, self._pinned, self._event = self._pinned, None, None
-            if PINNED.hold(pinned):
-                self.parts = [pinned[:, start:stop] for start, stop in self.splits]
-                return
-            self.parts = split_copies(pinned, self.splits)
-            _let_go(_nbytes(pinned))
+            self.parts = split_copies(self._pinned, self.splits)
+            nbytes = _nbytes(self._pinned)
+            self._pinned = self._event = None
+            _let_go(nbytes)
 
     def part(self, i: int) -> torch.Tensor:
         """Request ``i``'s rows (after ``wait``)."""
@@ -146,12 +99,10 @@ class WholeCopy:
     def wait(self) -> None:
         if self._host is None:
             self._event.synchronize()
-            pinned, self._pinned, self._event = self._pinned, None, None
-            if PINNED.hold(pinned):
-                self._land(pinned)
-                return
-            self._land(pinned.clone())
-            _let_go(_nbytes(pinned))
+            self._land(self._pinned.clone())
+            nbytes = _nbytes(self._pinned)
+            self._pinned = self._event = None
+            _let_go(nbytes)
 
     def _land(self, host: torch.Tensor) -> None:
         self._host, self._array = host, as_array(host)
