@@ -36,7 +36,12 @@ FORMATS = ("lists", "packed")
 
 def row_statistics(rows: torch.Tensor) -> torch.Tensor:
     """``[..., len(STATS)]`` float32: each row's statistics over the hidden dimension, in ``STATS`` order.
-    Runs on the rows' device during the step (the consumer's ``row_reduction``)."""
+    Runs on the rows' device during the step (the consumer's ``row_reduction``): on a GPU in one kernel launch
+    (``statistics_kernel``), elsewhere in torch."""
+    if rows.is_cuda:
+        from vllm_interp.capture.consumers.statistics_kernel import row_statistics_kernel
+
+        return row_statistics_kernel(rows, len(STATS))
     # Half-precision reductions over thousands of elements would blur the very numbers this summary shows.
     rows = rows.float()
     mean = rows.mean(dim=-1)

@@ -1,0 +1,26 @@
+"""``logging``'s one-launch statistics kernel (GPU engines) computes what the torch reduction computes: checked
+here on the CPU through Triton's interpreter (set before the kernel is built, so in a process of its own)."""
+
+import os
+import subprocess
+import sys
+
+CHECK = """
+import torch
+from vllm_interp.capture.consumers.logging import STATS, row_statistics
+from vllm_interp.capture.consumers.statistics_kernel import row_statistics_kernel
+
+torch.manual_seed(0)
+for shape, dtype in [((3, 5, 576), torch.float32), ((2, 7, 2048), torch.bfloat16), ((1, 1, 100), torch.float16),
+                     ((2, 0, 64), torch.float32)]:
+    rows = (torch.randn(shape) * 3 + 0.5).to(dtype)
+    got = row_statistics_kernel(rows, len(STATS))
+    torch.testing.assert_close(got, row_statistics(rows), rtol=1e-5, atol=1e-5)
+print("ok")
+"""
+
+
+def test_the_kernel_equals_the_torch_statistics():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
