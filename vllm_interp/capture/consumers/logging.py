@@ -42,6 +42,11 @@ def row_statistics(rows: torch.Tensor) -> torch.Tensor:
         from vllm_interp.capture.consumers.statistics_kernel import row_statistics_kernel
 
         return row_statistics_kernel(rows, len(STATS))
+    return torch_row_statistics(rows)
+
+
+def torch_row_statistics(rows: torch.Tensor) -> torch.Tensor:
+    """``row_statistics`` in torch operations, on any device."""
     # Half-precision reductions over thousands of elements would blur the very numbers this summary shows.
     rows = rows.float()
     mean = rows.mean(dim=-1)
