@@ -18,17 +18,20 @@ from vllm_interp.row_plan import BatchLayout
 LAYERS, HIDDEN = 2, 4
 
 
-def make_store(consumers: tuple[str, ...] = ("inline",)) -> CaptureStore:
-    """``consumers=()``: a tensor-parallel rank other than 0, which runs no inline consumer."""
-    bank = SiteBank(layers=[0, 1], steer_index=torch.zeros(8, dtype=torch.long),
+def make_store(consumers: tuple[str, ...] = ("inline",), graph_read_rows: int = 0) -> CaptureStore:
+    """``consumers=()``: a tensor-parallel rank other than 0, which runs no inline consumer;
+    ``graph_read_rows``: the graph read buffers' rows (0: graphs never read), for steps of up to 8 tokens."""
+    max_tokens = 8
+    bank = SiteBank(layers=[0, 1], steer_index=torch.zeros(max_tokens, dtype=torch.long),
                     steer_table=torch.zeros(LAYERS, 3, 1, HIDDEN),
                     patch_index=torch.zeros(LAYERS, 3, 1, dtype=torch.long), patch_values=torch.zeros(1, HIDDEN),
-                    patch_alpha=torch.zeros(1), read_slot=torch.full((1,), -1), read_flags=torch.zeros(LAYERS, 3),
-                    read_out=torch.zeros(LAYERS, 3, 0, HIDDEN))
+                    patch_alpha=torch.zeros(1), read_slot=torch.full((max_tokens if graph_read_rows else 1,), -1),
+                    read_flags=torch.zeros(LAYERS, 3, dtype=torch.int32),
+                    read_out=torch.zeros(LAYERS, 3, graph_read_rows, HIDDEN))
     context = ConsumerContext("inline", {}, "m", num_layers=LAYERS, hidden_size=HIDDEN)
     runner = ConsumerRunner(InThread(InlineConsumer(context)), policy="block", queue_bytes=1 << 20)
     return CaptureStore(bank, num_layers=LAYERS, model="m", consumers={name: runner for name in consumers},
-                        global_spec={}, external_id=str, max_graph_tokens=0)
+                        global_spec={}, external_id=str, max_graph_tokens=max_tokens if graph_read_rows else 0)
 
 
 def extra_args(key: str, positions) -> dict:
@@ -45,6 +48,29 @@ def step(store: CaptureStore, req_id: str, start: int, tokens: int, stream: torc
         return
     reads.out[(1, 2)] = stream.index_select(0, reads.rows)  # what the site op at 1.post_block would hand back
     store.collect(plan, reads)
+
+
+def test_a_step_arms_the_graph_read_buffers_and_clears_what_the_last_one_set():
+    """Before a step that may replay a graph, each planned row's token row points at its read slot and the wanted
+    sites' flags are set; the next step's rows replace the last's (which go back to -1); a step reading more rows
+    than the buffers hold, or nothing, leaves every row unread."""
+    store = make_store(graph_read_rows=3)
+    bank = store.bank
+    store.lookup("a", extra_args("a", "all"), prompt_len=2)
+    store.lookup("b", extra_args("b", "all"), prompt_len=2)
+
+    def arm(ids: list[str], tokens: list[int]) -> None:
+        layout = BatchLayout.of(ids, np.array([0, *np.cumsum(tokens)]), np.zeros(len(ids), dtype=np.int64))
+        store.site_reads(store.plan_reads(layout), torch.device("cpu"), sum(tokens))
+
+    arm(["a", "b"], [2, 1])  # token rows 0, 1 (a) and 2 (b)
+    assert bank.read_slot.tolist() == [0, 1, 2, -1, -1, -1, -1, -1]
+    assert bank.read_flags.tolist() == [[0, 0, 0], [0, 0, 1]]  # 1.post_block only
+    arm(["b", "a"], [1, 1])
+    assert bank.read_slot.tolist() == [0, 1, -1, -1, -1, -1, -1, -1]
+    arm(["a", "b"], [2, 2])  # four rows: past the buffers, this step runs eagerly
+    assert bank.read_slot.tolist() == [-1] * 8 and bank.read_flags.tolist() == [[0, 0, 0], [0, 0, 0]]
+    store.close()
 
 
 def test_rows_by_position_across_chunks_and_a_recompute():
