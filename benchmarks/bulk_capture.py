@@ -12,7 +12,9 @@ Every round runs, with the same number of fresh prompts each:
 ``plain`` (no capture: the baseline), ``logging`` (every position, ``post_block`` of every layer, to the
 logging consumer), ``logging_packed`` (the same, its statistics returned as one base64 float32 block instead
 of JSON lists), ``plain_after`` (sent the moment the burst's last stream ends, while its consumer may still
-work through the backlog), ``sink`` (the same capture to the sharded filesystem layout), ``plain_after_sink``.
+work through the backlog), ``sink`` (the same capture to the sharded filesystem layout, which takes each request
+in parts while it runs), ``plain_after_sink``, ``sink_whole`` (the sink with ``part_mb: 0``: each request
+whole, when it ends).
 Reported: throughput and TPOT of each phase against ``plain`` of the same round, TTFT of the plain phases after
 a burst against the one before it, the bytes of rows each capturing phase captured and their rate, the sink's
 shards on disk after shutdown, the server processes' peak
@@ -43,11 +45,11 @@ from benchmarks.serving import VLLM_INTERP_MODULE, launch_server, server_rss_mb,
 from vllm_interp.capture.consumer import CaptureMeta, ConsumerContext, RequestCapture
 from vllm_interp.capture.consumers.filesystem import FilesystemConsumer
 
-PHASES = ("plain", "logging", "logging_packed", "plain_after", "sink", "plain_after_sink")
+PHASES = ("plain", "logging", "logging_packed", "plain_after", "sink", "plain_after_sink", "sink_whole")
 EVERY_TOKEN = {"hooks": {"post_block": "all"}, "positions": "all"}
 # Each capturing phase's ``capture`` field.
 CAPTURES = {"logging": {"logging": EVERY_TOKEN}, "logging_packed": {"logging": {**EVERY_TOKEN, "format": "packed"}},
-            "sink": {"filesystem": EVERY_TOKEN}}
+            "sink": {"filesystem": EVERY_TOKEN}, "sink_whole": {"filesystem": {**EVERY_TOKEN, "part_mb": 0}}}
 
 
 @dataclass
@@ -184,7 +186,7 @@ def report(args: argparse.Namespace, phases: list[Phase], rates: list[tuple[floa
               "| phase | throughput | TPOT | TTFT |", "|---|---|---|---|"]
     for name, rows in summary.items():
         lines.append(f"| {name} | " + " | ".join(fmt(m, 3) for m in column_medians(rows)) + " |")
-    captured = sum(p.captured_bytes for p in phases if p.name == "sink")
+    captured = sum(p.captured_bytes for p in phases if p.name.startswith("sink"))
     lines += ["", f"The sink's shards on disk after shutdown: {on_disk / 1e6:.0f} MB (its phases captured "
               f"{captured / 1e6:.0f} MB of rows; a shard still buffered is published when the server stops).", ""]
     lines += ["Disk, on the capture root (shard writer vs one plain sequential write of the same bytes, synced):",

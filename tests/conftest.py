@@ -110,7 +110,9 @@ def smollm2_llm(smollm2_path, capture_root, test_sae):
     they return."""
     from vllm_interp import LLM
 
-    consumers = ("inline", f"filesystem:root={capture_root}", "logging:max_positions=4", "sae_features")
+    # Small parts and shards, so that a sharded capture is taken in parts and its shards are published soon.
+    consumers = ("inline", f"filesystem:root={capture_root},part_mb=1,shard_mb=1", "logging:max_positions=4",
+                 "sae_features")
     llm = LLM(str(smollm2_path), enable_steering=True, max_steering_configs=4, enable_patching=True,
               capture_consumers=consumers, saes={SAE_NAME: str(test_sae)}, **ENGINE_KWARGS)
     yield llm

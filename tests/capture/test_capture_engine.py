@@ -1,6 +1,8 @@
 """Capture on the real SmolLM2 engine: exact rows for every position kind, through the prefix cache, to the
 built-in consumers."""
 
+import time
+
 import pytest
 import torch
 from vllm import SamplingParams
@@ -8,7 +10,7 @@ from vllm import SamplingParams
 from tests.parity import assert_rows_close, compare
 from tests.reference import hf_residuals
 from tests.zoo import _input_of
-from vllm_interp.capture.consumers.filesystem import read_capture
+from vllm_interp.capture.consumers.filesystem import list_captures, read_capture
 
 MAX_TOKENS = 5
 NUM_LAYERS = 30
@@ -99,6 +101,33 @@ def test_filesystem_layouts_hold_the_rows_the_caller_got(smollm2_llm, capture_ro
         assert meta["sites"] == ["0.pre_attn", "3.post_block", "7.post_block"]
         for name, tensor in tensors.items():
             torch.testing.assert_close(tensor, out.residuals[name], rtol=0, atol=0)
+
+
+def test_a_sharded_capture_is_taken_in_parts_while_the_request_runs(smollm2_llm, capture_root, prompt_ids):
+    """Every site at every position (about 200 KB a position) to the sharded layout, whose parts are 1 MiB: the
+    request's rows reach the consumer in several parts while it runs, and read back as the rows the same
+    request returns inline. Its final part waits in the shard buffer until a later request's part fills the
+    shard (1 MiB). A request that also names ``inline`` (which takes requests whole) is written whole."""
+    every = {"hooks": "all", "positions": "all"}
+    sharded = {**every, "layout": "sharded"}
+    prompt = [{"prompt_token_ids": prompt_ids[2]}]
+    (out,) = smollm2_llm.generate(prompt, _greedy(16), capture={"filesystem": {**sharded, "tag": "engine/parts"}},
+                                  use_tqdm=False)
+    written = out.capture["filesystem"]
+    assert written.status == "ok", written.message
+    (inline,) = smollm2_llm.generate(prompt, _greedy(16), capture={"inline": every, "filesystem": {
+        **sharded, "tag": "engine/whole"}}, use_tqdm=False)
+    positions = inline.residuals.positions
+    assert written.result["parts"] > 2 and written.rows == len(positions) * NUM_LAYERS * 3
+    assert "parts" not in inline.capture["filesystem"].result
+    deadline = time.monotonic() + 60  # the whole request's part filled the shard: the writer publishes it
+    while "engine/parts" not in list_captures(capture_root) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    tensors, meta = read_capture(capture_root, "engine/parts")
+    assert meta["positions"] == positions and meta["parts"] == written.result["parts"]
+    assert sorted(tensors) == sorted(inline.residuals.tensors)
+    for name, tensor in tensors.items():
+        torch.testing.assert_close(tensor, inline.residuals[name], rtol=0, atol=0)
 
 
 def test_a_collision_fails_only_that_request_and_says_why(smollm2_llm, prompt_ids):

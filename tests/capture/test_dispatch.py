@@ -17,7 +17,7 @@ from vllm_interp.capture.consumers.inline import InlineConsumer, ResidualReadout
 from vllm_interp.capture.dispatch import ConsumerRunner, ForwardGate
 from vllm_interp.capture.isolation import InThread
 from vllm_interp.capture.plugins import DEFAULT_QUEUE_MB, configure_consumers
-from vllm_interp.capture.results import ConsumerResult, merge_stage_results, result_to_json
+from vllm_interp.capture.results import ConsumerResult, merge_consumer_results, result_to_json
 
 HIDDEN = 8
 POSITIONS = [0, 3, 4]
@@ -365,10 +365,10 @@ def test_inline_merge_results_metadata_layers():
     assert merged.metadata["layers"] == [0, 2, 3, 10, 11]
 
 
-# -- merge_stage_results ----------------------------------------------------------------------------------
+# -- merge_consumer_results ----------------------------------------------------------------------------------
 
 
-def test_merge_stage_results():
+def test_merge_consumer_results():
     parts = [
         ConsumerResult(status="ok", result={"n": 1}, rows=6),
         ConsumerResult(
@@ -387,7 +387,7 @@ def test_merge_stage_results():
         calls.append(payloads)
         return {"merged": payloads}
 
-    merged = merge_stage_results(parts, merge)
+    merged = merge_consumer_results(parts, merge)
     assert merged.status == "error"
     assert merged.message == "positions [7] were not computed; RuntimeError: boom"
     assert (merged.rows, merged.dropped, merged.spilled) == (10, 7, 4)
@@ -399,17 +399,17 @@ def test_merge_stage_results():
     ("statuses", "worst"),
     [(["ok", "ok"], "ok"), (["ok", "partial_error"], "partial_error"), (["error", "partial_error"], "error")],
 )
-def test_merge_stage_results_status(statuses, worst):
+def test_merge_consumer_results_status(statuses, worst):
     parts = [ConsumerResult(status=s) for s in statuses]
-    merged = merge_stage_results(parts, lambda payloads: pytest.fail("no payloads to merge"))
+    merged = merge_consumer_results(parts, lambda payloads: pytest.fail("no payloads to merge"))
     assert merged.status == worst
     assert merged.message is None
     assert merged.result is None
 
 
-def test_merge_stage_results_single_stage_is_unchanged():
+def test_merge_consumer_results_single_stage_is_unchanged():
     part = ConsumerResult(status="partial_error", message="m", result={"n": 1}, rows=3, dropped=1)
-    assert merge_stage_results([part], lambda payloads: pytest.fail("one stage needs no merge")) is part
+    assert merge_consumer_results([part], lambda payloads: pytest.fail("one stage needs no merge")) is part
 
 
 # -- configure_consumers ----------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import sys
 import textwrap
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -145,6 +146,54 @@ def test_sharded_round_trip_is_published_at_close(tmp_path):
         assert_same_tensors(tensors, capture)
         assert_sidecar(meta, capture, "sharded", f"r{i}")
         assert meta == index[i]
+
+
+def in_parts(capture: RequestCapture, bounds: list[int]) -> list[RequestCapture]:
+    """``capture`` as the worker hands on a request in parts: its positions cut at ``bounds``."""
+    edges = [0, *bounds, len(capture.meta.positions)]
+    parts = []
+    for k, (start, stop) in enumerate(zip(edges, edges[1:], strict=False)):
+        meta = replace(capture.meta, positions=capture.meta.positions[start:stop], part=k, final=k == len(edges) - 2)
+        parts.append(RequestCapture(meta, {site: t[start:stop] for site, t in capture.tensors.items()}))
+    return parts
+
+
+def test_sharded_takes_a_request_in_parts_and_reads_it_back_whole(tmp_path):
+    """Parts of a running request go to the buffer (and shards) as they come, between other requests; the
+    capture is listed, and read back joined by position, once its final part's index line is appended; a newer
+    capture of the same tag in parts replaces it; one whose final part never came is not listed."""
+    consumer = make_consumer(tmp_path, layout="sharded", part_mb="1")
+    assert FilesystemConsumer.part_bytes(consumer.context.options) == 1 << 20
+    assert FilesystemConsumer.part_bytes({**consumer.context.options, "layout": "packed"}) == 0
+    assert FilesystemConsumer.part_bytes({**consumer.context.options, "part_mb": 0}) == 0  # a request's own say
+    consumer.shard_bytes = make_capture().nbytes  # a shard about every request: parts span shards
+    whole = make_capture(request_id="a", tag="doc")
+    first, second, last = in_parts(whole, [2, 3])
+    results = [consumer.consume(first), consumer.consume(make_capture(request_id="b", seed=1)),
+               consumer.consume(second)]
+    consumer.wait_written()
+    assert list_captures(tmp_path) == ["b"]  # not "doc": its final part has not come
+    results.append(consumer.consume(last))
+    merged = FilesystemConsumer.merge_parts([results[0], results[2], results[3]])
+    assert merged["parts"] == 3 and merged["bytes"] == whole.nbytes and merged["base"] == "doc"
+    consumer.close()
+    assert list_captures(tmp_path) == ["b", "doc"]
+    tensors, meta = read_capture(tmp_path, "doc")
+    assert_same_tensors(tensors, whole)
+    assert meta["positions"] == POSITIONS and meta["shape"] == [len(POSITIONS), HIDDEN] and meta["parts"] == 3
+    assert len(meta["shards"]) > 1
+
+    consumer = make_consumer(tmp_path, layout="sharded", part_mb="1", on_collision="overwrite")
+    newer = make_capture(request_id="c", tag="doc", seed=5)
+    for part in in_parts(newer, [1]):
+        consumer.consume(part)
+    unfinished, _ = in_parts(make_capture(request_id="d", tag="cut", seed=6), [4])
+    consumer.consume(unfinished)
+    with pytest.raises(ValueError, match="its first part was not stored"):
+        consumer.consume(in_parts(make_capture(request_id="e"), [1])[1])
+    consumer.close()
+    assert list_captures(tmp_path) == ["b", "doc"]
+    assert_same_tensors(read_capture(tmp_path, "doc")[0], newer)
 
 
 def test_sharded_buffers_a_copy_of_the_rows(tmp_path):
@@ -329,6 +378,7 @@ def test_engine_options_are_converted_with_defaults(tmp_path):
         "layout": "packed",
         "on_collision": "error",
         "shard_mb": 64,
+        "part_mb": 8,
     }
 
 
@@ -342,6 +392,7 @@ def test_engine_options_are_converted_with_defaults(tmp_path):
         ({"root": "TMP", "on_collision": "ignore"}, "on_collision"),
         ({"root": "TMP", "shard_mb": "0"}, "shard_mb"),
         ({"root": "TMP", "shard_mb": "big"}, "shard_mb"),
+        ({"root": "TMP", "part_mb": "-1"}, "part_mb"),
         ({"root": "TMP", "compress": "yes"}, "compress"),
     ],
 )
@@ -354,7 +405,8 @@ def test_engine_option_errors_name_the_option(tmp_path, options, option):
 
 @pytest.mark.parametrize(
     ("options", "option"),
-    [({"layout": "zip"}, "layout"), ({"on_collision": 1}, "on_collision"), ({"shard_mb": 3}, "shard_mb")],
+    [({"layout": "zip"}, "layout"), ({"on_collision": 1}, "on_collision"), ({"shard_mb": 3}, "shard_mb"),
+     ({"part_mb": -1}, "part_mb"), ({"part_mb": "8"}, "part_mb"), ({"part_mb": True}, "part_mb")],
 )
 def test_request_option_errors_name_the_option(options, option):
     with pytest.raises(ValueError, match=f"^{option}: "):

@@ -18,7 +18,23 @@ from vllm_interp.row_plan import BatchLayout
 LAYERS, HIDDEN = 2, 4
 
 
-def make_store(consumers: tuple[str, ...] = ("inline",), graph_read_rows: int = 0) -> CaptureStore:
+class InlineInParts(InlineConsumer):
+    """``inline`` taking a request in parts of two positions at one site (HIDDEN float32 values each)."""
+
+    @classmethod
+    def part_bytes(cls, options: dict) -> int:
+        return 2 * HIDDEN * 4
+
+    def consume(self, capture):
+        return {**super().consume(capture), "part": capture.meta.part, "final": capture.meta.final}
+
+    @classmethod
+    def merge_parts(cls, results: list[dict]) -> dict:
+        return {"parts": results}
+
+
+def make_store(consumers: tuple[str, ...] = ("inline",), graph_read_rows: int = 0,
+               consumer_class: type[InlineConsumer] = InlineConsumer) -> CaptureStore:
     """``consumers=()``: a tensor-parallel rank other than 0, which runs no inline consumer;
     ``graph_read_rows``: the graph read buffers' rows (0: graphs never read), for steps of up to 8 tokens."""
     max_tokens = 8
@@ -29,7 +45,7 @@ def make_store(consumers: tuple[str, ...] = ("inline",), graph_read_rows: int = 
                     read_flags=torch.zeros(LAYERS, 3, dtype=torch.int32),
                     read_out=torch.zeros(LAYERS, 3, graph_read_rows, HIDDEN))
     context = ConsumerContext("inline", {}, "m", num_layers=LAYERS, hidden_size=HIDDEN)
-    runner = ConsumerRunner(InThread(InlineConsumer(context)), policy="block", queue_bytes=1 << 20)
+    runner = ConsumerRunner(InThread(consumer_class(context)), policy="block", queue_bytes=1 << 20)
     return CaptureStore(bank, num_layers=LAYERS, model="m", consumers={name: runner for name in consumers},
                         global_spec={}, external_id=str, max_graph_tokens=max_tokens if graph_read_rows else 0)
 
@@ -87,6 +103,35 @@ def test_rows_by_position_across_chunks_and_a_recompute():
     assert readout.positions == list(range(7))
     torch.testing.assert_close(readout["1.post_block"], torch.cat([first + 1, tail]), rtol=0, atol=0)
     assert not store.capturing
+    store.close()
+
+
+def test_a_request_whose_consumer_takes_parts_is_handed_on_while_it_runs():
+    """Each time a running request's filed rows reach the part size, every landed step but the newest goes to
+    the consumer; the newest waits for the next part (it may run past the request's end). A position handed on
+    is not handed on again when a preempted request computes it anew; the last part comes at the end, and the
+    request's result merges its parts'."""
+    store = make_store(consumer_class=InlineInParts)
+    store.lookup("r", extra_args("k", "all"), prompt_len=3)
+    streams = [torch.randn(n, HIDDEN) for n in (3, 1, 1)]
+    # A step is filed when the next one is collected (its copy has landed by then).
+    step(store, "r", 0, 3, streams[0])
+    step(store, "r", 3, 1, streams[1])  # files positions 0-2: one step landed, nothing handed on yet
+    step(store, "r", 4, 1, streams[2])  # files 3: part 0, positions 0-2
+    recomputed = torch.randn(5, HIDDEN)
+    step(store, "r", 0, 5, recomputed)  # preempted and recomputed; files 4: part 1, position 3
+    tail = torch.randn(2, HIDDEN)
+    step(store, "r", 5, 1, tail[:1])  # files the recompute: part 2, position 4 (the first copy)
+    step(store, "r", 6, 1, tail[1:])  # files 5: the recompute's positions were all handed on, no part
+    assert [len(f) for f in store._entries["r"].parts.values()] == [3]
+    result = store.results({"k": 8}, wait_s=5)["k"]["inline"]
+    assert result["status"] == "ok" and result["rows"] == 7
+    parts = result["result"]["parts"]
+    assert [(p["part"], p["final"]) for p in parts] == [(0, False), (1, False), (2, False), (3, True)]
+    readouts = [ResidualReadout.from_result(p) for p in parts]
+    assert [r.positions for r in readouts] == [[0, 1, 2], [3], [4], [5, 6]]
+    rows = torch.cat([r["1.post_block"] for r in readouts])
+    torch.testing.assert_close(rows, torch.cat([*streams, tail]), rtol=0, atol=0)
     store.close()
 
 

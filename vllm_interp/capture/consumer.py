@@ -17,7 +17,10 @@ Lifecycle, all on the consumer's thread except ``validate_*``:
    refuse sites the consumer cannot take.
 3. ``__init__(context)``: once per worker, with the engine options and the model's facts.
 4. ``consume(capture)``: once per finished request, with every captured row (or, for a consumer that declares
-   a ``row_reduction``, every row's summary, reduced on the device during the step). Return a dict (or None) that
+   a ``row_reduction``, every row's summary, reduced on the device during the step); or, for a request whose
+   consumer options make ``part_bytes`` non-zero, once per part while the request runs: each part holds the
+   positions landed since the last one (``meta.part`` counts them from 0; ``meta.final`` marks the last, handed
+   on when the request ends), and ``merge_parts`` makes the request's one result of theirs. Return a dict (or None) that
    travels to the caller as the result: on the caller's side ``result_from_wire`` (classmethod; default: as is)
    turns it into what the caller receives (offline as is; over HTTP through ``result_to_json``). Tensors
    travel best packed (``capture.packed``). Raise to fail only this request (status ``error``). Copy rows
@@ -77,6 +80,8 @@ class CaptureMeta:
     sites: list[str]  # "12.post_block" names, layer-major, in tensor order
     dtype: str
     options: dict[str, Any] = field(default_factory=dict)  # the request's consumer options
+    part: int = 0  # which part of the request this is (``CaptureConsumer.part_bytes``)
+    final: bool = True  # whether it is the request's last part (a request handed on whole is one final part)
 
     @property
     def layers(self) -> list[int]:
@@ -95,6 +100,7 @@ class CaptureMeta:
             "positions": self.positions,
             **site_metadata(self.sites),
             "dtype": self.dtype,
+            **({"part": self.part, "final": self.final} if self.part or not self.final else {}),
         }
 
 
@@ -217,6 +223,13 @@ class CaptureConsumer:
         return _no_options(options)
 
     @classmethod
+    def part_bytes(cls, options: dict[str, Any]) -> int:
+        """For a request with these consumer options (the engine's, updated by the request's): hand its rows on
+        in parts of about this many bytes while it runs, so they leave the worker as they are computed instead
+        of all when it ends; 0 (the default): in one piece when it ends."""
+        return 0
+
+    @classmethod
     def validate_hooks(cls, hooks: Any, options: dict[str, Any], engine: EngineFacts) -> Any:
         """The spec's ``hooks`` (None when the request gave none; then everything, ``"all"``), after the
         consumer's say. Default: whatever the request gave."""
@@ -227,6 +240,12 @@ class CaptureConsumer:
 
     def close(self) -> None:
         """Release resources (files, connections) at shutdown."""
+
+    @classmethod
+    def merge_parts(cls, results: list[dict[str, Any]]) -> dict[str, Any]:
+        """One request's result from what ``consume`` returned for each of its parts, in order (only for
+        requests handed on in parts); default: the last part's."""
+        return results[-1]
 
     @classmethod
     def merge_results(cls, results: list[dict[str, Any]]) -> dict[str, Any]:

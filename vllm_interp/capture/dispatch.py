@@ -34,7 +34,7 @@ from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -102,7 +102,8 @@ class ConsumerRunner:
                  gate: ForwardGate = FORWARD) -> None:
         self.host = host
         self.gate = gate
-        self.row_reduction = host.row_reduction  # what the store hands this consumer: rows or their summaries
+        self.consumer_class = host.consumer_class
+        self.row_reduction = host.consumer_class.row_reduction  # what the store hands it: rows or their summaries
         self.policy = policy
         self.queue_bytes = queue_bytes
         self.block_timeout_s = block_timeout_s
@@ -114,6 +115,10 @@ class ConsumerRunner:
         self._thread = threading.Thread(target=self._run, name=f"vllm-interp-capture-{host.context.name}",
                                         daemon=True)
         self._thread.start()
+
+    def part_bytes(self, request_options: dict[str, Any]) -> int:
+        """The size of the parts a request with these consumer options is handed on in (0: whole)."""
+        return self.consumer_class.part_bytes({**self.host.context.options, **request_options})
 
     def submit(self, capture: PendingCapture, result: ConsumerResult) -> Future:
         """Queue a finished request; the future resolves to its ``ConsumerResult``."""

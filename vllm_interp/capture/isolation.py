@@ -86,7 +86,7 @@ class InThread:
     def __init__(self, consumer: CaptureConsumer) -> None:
         self.consumer = consumer
         self.context = consumer.context
-        self.row_reduction = type(consumer).row_reduction
+        self.consumer_class = type(consumer)
         self._spare: np.ndarray | None = None
         self._reuse: bool | None = None  # unknown until its first request; False once it keeps rows
 
@@ -130,7 +130,7 @@ class InProcess:
 
     def __init__(self, cls: type[CaptureConsumer], context: ConsumerContext) -> None:
         self.context = context
-        self.row_reduction = cls.row_reduction
+        self.consumer_class = cls
         self._in_flight: deque[tuple[Future, str, _SharedBlock | None]] = deque()  # (future, doing, its block)
         self._spare: list[_SharedBlock] = []  # blocks the child answered for and let go of
         self._given_up: list[str] = []  # blocks removed since the last message: the child drops its mappings

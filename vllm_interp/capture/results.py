@@ -40,8 +40,9 @@ def worst_status(statuses: list[Status]) -> Status:
     return max(statuses, key=_SEVERITY.__getitem__)
 
 
-def merge_stage_results(parts: list[ConsumerResult], merge_payloads: Any) -> ConsumerResult:
-    """One result from the pipeline stages' results for the same consumer and request."""
+def merge_consumer_results(parts: list[ConsumerResult], merge_payloads: Any) -> ConsumerResult:
+    """One result from several of the same consumer for the same request: its pipeline stages' (each consumed
+    its own layers), or the parts it was handed on in (``CaptureConsumer.part_bytes``)."""
     if len(parts) == 1:
         return parts[0]
     messages = [p.message for p in parts if p.message]
@@ -96,7 +97,7 @@ class ResultCollector:
                         "no rows: the request never reached the model (aborted or rejected before its first step)"
                     )
                 else:
-                    results[name] = merge_stage_results(parts, consumers[name].merge_results)
+                    results[name] = merge_consumer_results(parts, consumers[name].merge_results)
             merged[key] = results
         return merged
 

@@ -8,9 +8,16 @@ when its specs read only prompt positions, with the step that read its last prom
 whichever comes first. It is then finalized (handed to its consumers) as soon as the copies of
 its steps have landed in host memory, which the forward thread never waits for: waiting for a second of
 whole rows in flight would stall every request of the engine at each finish (measured on an H100).
+
+A request whose consumers all take parts (``CaptureConsumer.part_bytes``) is handed on in parts while it runs:
+whenever its landed rows reach the part size, every landed step but the newest goes to its consumers, so its
+rows leave the worker as they are computed. The newest step stays for the next part: it may be a step that ran
+past the request's end (an asynchronous scheduler's), which only the final length rules out. A position handed
+on in a part is never handed on again, even if a preempted request computes it anew.
 """
 
 import logging
+import threading
 from collections.abc import Callable, Container, Iterable
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
@@ -23,7 +30,7 @@ import torch
 from vllm_interp.capture.consumer import CaptureMeta, PendingCapture, RowReduction
 from vllm_interp.capture.dispatch import ConsumerRunner
 from vllm_interp.capture.host_copies import SplitCopy, WholeCopy, as_array, to_host
-from vllm_interp.capture.results import ConsumerResult
+from vllm_interp.capture.results import ConsumerResult, merge_consumer_results
 from vllm_interp.capture.spec import CaptureSpec, spec_from_wire
 from vllm_interp.hooks import HOOK_INDEX, HOOKS, site_name
 from vllm_interp.models.registry import SiteBank
@@ -56,6 +63,10 @@ class _Entry:
     num_computed: int = 0
     last_step: int = -1  # the serial of the last step that read its rows (``CaptureStore.collect``)
     final_length: int | None = None  # the sequence length its caller gave, once it ended (``results``)
+    part_bytes: int = 0  # hand its rows on in parts of about this size while it runs (0: whole, at its end)
+    unhanded_rows: int = 0  # rows filed in ``chunks`` (a part is cut when they reach ``part_bytes``)
+    handed: set[int] = field(default_factory=set)  # positions handed on in parts
+    parts: dict[str, list[Future]] = field(default_factory=dict)  # each consumer's results of those parts
 
     @cached_property
     def last_position(self) -> int | None:
@@ -90,13 +101,14 @@ class _Entry:
         masks = [spec.select(positions, self.prompt_len) for spec in self.all_specs.values()]
         return np.logical_or.reduce(masks)
 
-    def columns(self) -> tuple[dict[int, int], int]:
-        """Each position's column in the chunks laid end to end (the latest copy of a position computed twice),
-        and how many columns they hold."""
-        if not self.chunks:
-            return {}, 0
-        positions = np.concatenate([step.plan.positions_of(k) for step, k, _ in self.chunks]).tolist()
-        return {position: column for column, position in enumerate(positions)}, len(positions)
+
+def _columns(chunks: list["_Chunk"]) -> tuple[dict[int, int], int]:
+    """Each position's column in the chunks laid end to end (the latest copy of a position computed twice),
+    and how many columns they hold."""
+    if not chunks:
+        return {}, 0
+    positions = np.concatenate([step.plan.positions_of(k) for step, k, _ in chunks]).tolist()
+    return {position: column for column, position in enumerate(positions)}, len(positions)
 
 
 # A request's sites, per distinct request spec (most requests of a workload want the same sites): its admission,
@@ -257,6 +269,9 @@ class CaptureStore:
             entry = _Entry(req_id, args.get("capture_key"), specs, prompt_len, self._held_sites(specs), all_specs,
                            bool(self._held_sites(all_specs)), wants_rows=None in reductions,
                            reductions=frozenset(reductions - {None}))
+            # In parts only when every consumer of the request takes parts: each part lets go of its rows.
+            part_sizes = [self.consumers[name].part_bytes(spec.options) for name, spec in specs.items()]
+            entry.part_bytes = min(part_sizes) if part_sizes and all(part_sizes) else 0
             if entry.key is not None:
                 self._by_key[entry.key] = req_id
         self._entries[req_id] = entry
@@ -426,6 +441,32 @@ class CaptureStore:
             entry = entries.get(req_id) or ending.get(req_id)
             if entry is not None and entry.sites:
                 entry.chunks.append((step, k, {key: copy.part(k) for key, copy in large.items()} if large else None))
+                if entry.part_bytes and req_id not in ending:
+                    entry.unhanded_rows += int(step.plan.slot_starts[k + 1] - step.plan.slot_starts[k])
+                    if entry.unhanded_rows * self._position_bytes(entry) >= entry.part_bytes and len(entry.chunks) > 1:
+                        self._hand_part(entry)
+
+    def _position_bytes(self, entry: _Entry) -> int:
+        """The bytes of one position's rows at the request's sites."""
+        table = self.bank.steer_table
+        return len(entry.sites) * table.shape[-1] * table.element_size()
+
+    def _hand_part(self, entry: _Entry) -> None:
+        """Hand a running request's landed rows, but its newest step's, to its consumers as its next part."""
+        chunks, entry.chunks = entry.chunks[:-1], entry.chunks[-1:]
+        step, k, _ = entry.chunks[0]
+        entry.unhanded_rows = int(step.plan.slot_starts[k + 1] - step.plan.slot_starts[k])
+        columns, num_columns = _columns(chunks)
+        positions = np.array(sorted(p for p in columns if p not in entry.handed), dtype=np.int64)
+        for name, spec in entry.specs.items():
+            sites = _held_sites((spec.sites(self.num_layers),), self._held)
+            picked = positions[spec.select(positions, entry.prompt_len)].tolist() if sites else []
+            if picked:
+                parts = entry.parts.setdefault(name, [])
+                parts.append(self._hand_on(name, spec, entry, chunks, columns, num_columns, sites, picked,
+                                           ConsumerResult(status="ok", rows=len(picked) * len(sites)),
+                                           part=len(parts), final=False))
+        entry.handed.update(positions.tolist())
 
     # -- finishing --------------------------------------------------------------------------------------
     def finish(self, finished_req_ids: set[str]) -> None:
@@ -487,13 +528,16 @@ class CaptureStore:
         # The last sampled token is never fed back: with the final length known, rows past it (an async
         # scheduler's step that ran past a stop) are not part of the request.
         computed = entry.num_computed if length is None else min(entry.num_computed, max(length - 1, 0))
-        columns, num_columns = entry.columns()
+        columns, num_columns = _columns(entry.chunks)
         futures = {}
         for name, spec in entry.specs.items():
             sites = _held_sites((spec.sites(self.num_layers),), self._held)
             if not sites:
                 continue  # another pipeline stage holds this consumer's layers
-            futures[name] = self._submit(name, spec, entry, columns, num_columns, sites, computed)
+            final = self._submit(name, spec, entry, columns, num_columns, sites, computed)
+            parts = entry.parts.get(name)
+            futures[name] = _merged([*parts, final], self.consumers[name].consumer_class.merge_parts) if parts \
+                else final
         if entry.key is not None:
             self._results[entry.key] = futures
             self._forget_unclaimed()
@@ -522,26 +566,34 @@ class CaptureStore:
                     f"positions {beyond} were never computed: the sequence went through the model for {computed} "
                     "tokens (the last generated token is never fed back)"
                 ))
-        present = [p for p in expected if p in columns]
+        handed = entry.handed
+        present = [p for p in expected if p in columns or p in handed]
         message = None
         dropped = (len(expected) - len(present)) * len(sites)
         if dropped:
             missing = sorted(set(expected) - set(present))
             message = f"positions {missing[:8]}{'...' if len(missing) > 8 else ''} were not computed by this engine"
-        picked = [columns[p] for p in present]
+        own = [p for p in present if p not in handed] if handed else present  # not handed on in a part already
+        status = "partial_error" if message else "ok"
+        base = ConsumerResult(status=status, message=message, rows=len(own) * len(sites), dropped=dropped)
+        return self._hand_on(name, spec, entry, entry.chunks if own else [], columns, num_columns, sites, own, base,
+                             part=len(entry.parts.get(name, [])), final=True)
+
+    def _hand_on(self, name: str, spec: Any, entry: _Entry, chunks: list[_Chunk], columns: dict[int, int],
+                 num_columns: int, sites: tuple[tuple[int, int], ...], positions: list[int], base: ConsumerResult,
+                 *, part: int, final: bool) -> Future:
+        """Submit ``positions`` of the request's rows in ``chunks`` (at their ``columns``) to a consumer."""
+        picked = [columns[p] for p in positions]
         every_column = picked == list(range(num_columns))
-        chunks = entry.chunks if present else []
         reduction = self.consumers[name].row_reduction
         table = self.bank.steer_table
         width, dtype = (reduction.width, torch.float32) if reduction else (table.shape[-1], table.dtype)
         meta = CaptureMeta(
             request_id=self.external_id(entry.req_id), tag=spec.tag, model=self.model,
-            prompt_len=entry.prompt_len, positions=present,
+            prompt_len=entry.prompt_len, positions=positions,
             sites=list(_site_names(sites, spec.naming)),
-            dtype=str(dtype).removeprefix("torch."), options=spec.options,
+            dtype=str(dtype).removeprefix("torch."), options=spec.options, part=part, final=final,
         )
-        status = "partial_error" if message else "ok"
-        base = ConsumerResult(status=status, message=message, rows=len(present) * len(sites), dropped=dropped)
         wanted = None if every_column else picked
         rows = PendingCapture(meta, width, dtype, lambda block: _gather(chunks, sites, wanted, block, reduction))
         return self.consumers[name].submit(rows, base)
@@ -550,6 +602,24 @@ class CaptureStore:
         self._drain()  # every ended request reaches its consumers before they close
         for runner in self.consumers.values():
             runner.close()
+
+
+def _merged(parts: list[Future], merge_payloads: Callable[[list[dict[str, Any]]], dict[str, Any]]) -> Future:
+    """One future of a request's result from those of its parts, resolved when the last of them is."""
+    merged: Future = Future()
+    left = [len(parts)]
+    lock = threading.Lock()
+
+    def one_done(_: Future) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        merged.set_result(merge_consumer_results([part.result() for part in parts], merge_payloads))
+
+    for part in parts:
+        part.add_done_callback(one_done)
+    return merged
 
 
 def _resolved(result: ConsumerResult) -> Future:

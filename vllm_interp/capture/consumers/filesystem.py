@@ -1,6 +1,6 @@
 """The built-in ``filesystem`` capture consumer: each request's rows as safetensors files under one root.
 
-Enable with ``--capture-consumers filesystem:root=DIR[,layout=packed][,on_collision=error][,shard_mb=256]``.
+Enable with ``--capture-consumers filesystem:root=DIR[,layout=packed][,on_collision=error][,shard_mb=256][,part_mb=8]``.
 A request's files are named by its ``base``: its ``tag`` if given, else its request id made file-safe
 (:func:`request_base`). Every tensor is ``[len(positions), hidden]`` and is named by its site (``12.post_block``).
 
@@ -17,6 +17,12 @@ Layouts (``layout``; a request may override it and ``on_collision`` in its spec)
   appended (by the writer, after a later rollover, or at ``close()``), and is lost if the process dies before
   that. A shard whose publish fails keeps its requests for the next one, and the request whose rollover
   found the failure gets the error.
+  A request is taken in parts of about ``part_mb`` MiB (default 8; 0: whole, when it ends) while it runs, so its
+  rows leave the engine as they are computed (``CaptureConsumer.part_bytes``): part ``k`` is stored as tensors
+  ``<base>/<capture>.<k>/<site>`` (``capture``: a random id per request) with an index line of its own that
+  carries ``capture``, ``part`` and ``final``. A capture in parts is complete once its final part's line is
+  appended; readers join its parts by position (``read_capture``), and a capture whose final part never came
+  (the process died) is not listed.
 
 The metadata (``CaptureMeta.to_json()`` plus ``base``, ``layout`` and ``shape``) is the sidecar / index line, and
 is also stored as JSON in each safetensors header under the key ``vllm_interp`` (a shard stores its requests').
@@ -51,7 +57,7 @@ from vllm_interp.hooks import parse_site_name
 LAYOUTS = ("per_file", "packed", "sharded")
 COLLISION_POLICIES = ("overwrite", "error", "suffix")
 REQUEST_OPTIONS: dict[str, tuple[str, ...]] = {"layout": LAYOUTS, "on_collision": COLLISION_POLICIES}
-DEFAULT_OPTIONS: dict[str, Any] = {"layout": "packed", "on_collision": "error", "shard_mb": 256}
+DEFAULT_OPTIONS: dict[str, Any] = {"layout": "packed", "on_collision": "error", "shard_mb": 256, "part_mb": 8}
 SHARD_DIR = "shards"
 INDEX_NAME = "index.jsonl"
 PER_FILE_SIDECAR = "meta.json"
@@ -140,6 +146,7 @@ class FilesystemConsumer(CaptureConsumer):
         self.layout: str = options["layout"]
         self.on_collision: str = options["on_collision"]
         self.shard_bytes = int(options["shard_mb"]) << 20
+        self._open_parts: dict[str, tuple[str, str]] = {}  # request id -> (base, capture id) of a capture in parts
         _make_dirs(self.root)
         self._pending: dict[str, _Pending] = {}
         self._next_shard = _next_shard_number(self.root / SHARD_DIR)
@@ -151,7 +158,8 @@ class FilesystemConsumer(CaptureConsumer):
 
     @classmethod
     def validate_engine_options(cls, options: dict[str, str]) -> dict[str, Any]:
-        """``root`` (required), ``layout``, ``on_collision``, ``shard_mb``; returns them converted, defaults filled."""
+        """``root`` (required), ``layout``, ``on_collision``, ``shard_mb``, ``part_mb``; returns them converted,
+        defaults filled."""
         for key in options:
             if key != "root" and key not in DEFAULT_OPTIONS:
                 raise ValueError(f"{key}: unknown option")
@@ -160,26 +168,58 @@ class FilesystemConsumer(CaptureConsumer):
             **DEFAULT_OPTIONS,
             **per_request,
             "root": _checked_root(options.get("root")),
-            "shard_mb": _checked_shard_mb(options.get("shard_mb", DEFAULT_OPTIONS["shard_mb"])),
+            "shard_mb": _checked_mb("shard_mb", options.get("shard_mb", DEFAULT_OPTIONS["shard_mb"]), least=1),
+            "part_mb": _checked_mb("part_mb", options.get("part_mb", DEFAULT_OPTIONS["part_mb"]), least=0),
         }
 
     @classmethod
     def validate_options(cls, options: dict[str, Any], engine: EngineFacts) -> dict[str, Any]:
-        """A request may set ``layout`` and ``on_collision``; the engine's values apply otherwise."""
+        """A request may set ``layout``, ``on_collision`` and ``part_mb``; the engine's values apply otherwise."""
         return _checked_request_options(options)
 
+    @classmethod
+    def part_bytes(cls, options: dict[str, Any]) -> int:
+        """The sharded layout takes a request in parts of ``part_mb``; the others write it whole."""
+        if options.get("layout") != "sharded":
+            return 0
+        return int(options.get("part_mb", DEFAULT_OPTIONS["part_mb"])) << 20
+
     def consume(self, capture: RequestCapture) -> dict[str, Any]:
-        options = {"layout": self.layout, "on_collision": self.on_collision, **capture.meta.options}
+        meta_in = capture.meta
+        options = {"layout": self.layout, "on_collision": self.on_collision, **meta_in.options}
         layout = options["layout"]
         shape = self._checked_shape(capture)
-        base = capture.meta.tag or request_base(capture.meta.request_id)
-        self._check_placement(base, layout)
-        base = self._claim(base, layout, options["on_collision"])
-        meta = {**capture.meta.to_json(), "base": base, "layout": layout, "shape": shape}
-        tensors = {site: capture.tensors[site].detach().cpu().contiguous() for site in capture.meta.sites}
+        in_parts = meta_in.part > 0 or not meta_in.final
+        if meta_in.part:  # a later part: written under the base its first part claimed
+            if meta_in.request_id not in self._open_parts:
+                raise ValueError(f"part {meta_in.part} of {meta_in.request_id!r}: its first part was not stored")
+            base, capture_id = self._open_parts[meta_in.request_id]
+        else:
+            base = meta_in.tag or request_base(meta_in.request_id)
+            self._check_placement(base, layout)
+            base = self._claim(base, layout, options["on_collision"])
+            if in_parts and meta_in.request_id in self._open_parts:
+                raise ValueError(f"request id {meta_in.request_id!r} already has a capture in parts under way")
+            capture_id = secrets.token_hex(4)
+        meta = {**meta_in.to_json(), "base": base, "layout": layout, "shape": shape,
+                **({"capture": capture_id} if in_parts else {})}
+        tensors = {site: capture.tensors[site].detach().cpu().contiguous() for site in meta_in.sites}
         if layout == "sharded":
-            return self._write_sharded(base, tensors, meta)
+            written = self._write_sharded(base, f"{base}/{capture_id}.{meta_in.part}" if in_parts else base, tensors,
+                                          meta)
+            if meta_in.final:
+                self._open_parts.pop(meta_in.request_id, None)
+            elif not meta_in.part:
+                self._open_parts[meta_in.request_id] = (base, capture_id)
+            return written
         return self._write_files(base, layout, tensors, meta)
+
+    @classmethod
+    def merge_parts(cls, results: list[dict[str, Any]]) -> dict[str, Any]:
+        """A request written in parts: the last part's result, with every shard file and byte of them all."""
+        files = list(dict.fromkeys(path for result in results for path in result["files"]))
+        return {**results[-1], "files": files, "bytes": sum(r["bytes"] for r in results),
+                "pending": any(r["pending"] for r in results), "parts": len(results)}
 
     def close(self) -> None:
         """Publish the shard still in memory; if that fails the buffer is kept, so a second close can retry."""
@@ -308,20 +348,22 @@ class FilesystemConsumer(CaptureConsumer):
             "bytes": sum(p.stat().st_size for p in files),
         }
 
-    def _write_sharded(self, base: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:
+    def _write_sharded(self, base: str, key: str, tensors: dict[str, torch.Tensor],
+                       meta: dict[str, Any]) -> dict[str, Any]:
+        """Buffer a request (or a part of one) as the tensors ``<key>/<site>`` of the next shard."""
         sizes = [t.numel() * t.element_size() for t in tensors.values()]
         # As laid out in shard memory, so that a request that fits the shard fits its buffer.
         nbytes = sum(map(_aligned, sizes))
         if self._pending and self._pending_bytes + nbytes > self.shard_bytes:
             self._flush()
         shard = _shard_path(self.root, self._next_shard)
-        self._pending[base] = _Pending(self._memory.copy_in(tensors, self.shard_bytes), meta, nbytes)
+        self._pending[key] = _Pending(self._memory.copy_in(tensors, self.shard_bytes), meta, nbytes)
         if self._pending_bytes >= self.shard_bytes:
             try:
                 self._flush()
             except BaseException:
                 # Only this request fails; the buffer stays within shard_bytes for the next try.
-                del self._pending[base]
+                del self._pending[key]
                 raise
         self._sharded_bases.add(base)
         return {
@@ -355,7 +397,7 @@ class FilesystemConsumer(CaptureConsumer):
 def _publish_shard(shard: Path, batch: dict[str, _Pending]) -> None:
     """Publish one shard of requests, then append their index lines (the lines declare complete data)."""
     _make_dirs(shard.parent)
-    tensors = {f"{base}/{site}": t for base, p in batch.items() for site, t in p.tensors.items()}
+    tensors = {f"{key}/{site}": t for key, p in batch.items() for site, t in p.tensors.items()}
     records = [{**p.meta, "shard": shard.name} for p in batch.values()]
     _publish(shard, _safetensors_writer(tensors, {"layout": "sharded", "requests": records}))
     _append_lines(shard.parent / INDEX_NAME, records)
@@ -438,6 +480,10 @@ def _checked_root(value: str | None) -> str:
 
 def _checked_request_options(options: dict[str, Any]) -> dict[str, Any]:
     for key, value in options.items():
+        if key == "part_mb":  # a request's own part size (0: whole); the engine's is a flag string
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"part_mb: must be a non-negative integer (got {value!r})")
+            continue
         allowed = REQUEST_OPTIONS.get(key)
         if allowed is None:
             raise ValueError(f"{key}: unknown option")
@@ -446,14 +492,15 @@ def _checked_request_options(options: dict[str, Any]) -> dict[str, Any]:
     return dict(options)
 
 
-def _checked_shard_mb(value: str | int) -> int:
+def _checked_mb(name: str, value: str | int, least: int) -> int:
     try:
-        shard_mb = int(value)
+        mb = int(value)
     except ValueError:
-        raise ValueError(f"shard_mb: must be a positive integer (got {value!r})") from None
-    if shard_mb <= 0:
-        raise ValueError(f"shard_mb: must be a positive integer (got {value!r})")
-    return shard_mb
+        mb = -1
+    if mb < least:
+        kind = "a positive integer" if least else "a non-negative integer"
+        raise ValueError(f"{name}: must be {kind} (got {value!r})")
+    return mb
 
 
 # -- durable file writes -------------------------------------------------------------------------------------------
@@ -634,26 +681,49 @@ def _read_files(root: Path, layout: str, base: str) -> tuple[dict[str, torch.Ten
 
 
 def _read_sharded(root: Path, base: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
-    meta = _read_index(root).get(base)
-    if meta is None:
+    records = _read_index(root).get(base)
+    if records is None:
         return None
-    with safe_open(root / SHARD_DIR / meta["shard"], framework="pt") as f:
-        return {site: f.get_tensor(f"{base}/{site}") for site in meta["sites"]}, meta
+    parts = []
+    for record in records:
+        key = f"{base}/{record['capture']}.{record['part']}" if "capture" in record else base
+        with safe_open(root / SHARD_DIR / record["shard"], framework="pt") as f:
+            parts.append({site: f.get_tensor(f"{key}/{site}") for site in record["sites"]})
+    if len(parts) == 1:
+        return parts[0], records[0]
+    # A capture in parts: its rows by position (a later part never repeats a position).
+    positions = [p for record in records for p in record["positions"]]
+    order = torch.tensor(sorted(range(len(positions)), key=positions.__getitem__), dtype=torch.long)
+    tensors = {site: torch.cat([part[site] for part in parts]).index_select(0, order) for site in records[-1]["sites"]}
+    meta = {key: value for key, value in records[-1].items() if key not in ("part", "final")}
+    meta.update(positions=sorted(positions), shape=[len(positions), meta["shape"][1]], parts=len(records),
+                shards=list(dict.fromkeys(record["shard"] for record in records)))
+    return tensors, meta
 
 
-def _read_index(root: Path) -> dict[str, dict[str, Any]]:
-    """The sharded captures by base: the last index line of each wins (an overwrite appends a newer one)."""
+def _read_index(root: Path) -> dict[str, list[dict[str, Any]]]:
+    """The sharded captures by base, each as its index lines (one, or its parts in order): the last complete
+    capture of a base wins (an overwrite appends a newer one; a capture in parts is complete with its final
+    part's line)."""
     index = root / SHARD_DIR / INDEX_NAME
     if not index.exists():
         return {}
-    records: dict[str, dict[str, Any]] = {}
+    records: dict[str, list[dict[str, Any]]] = {}
+    in_parts: dict[tuple[str, str], list[dict[str, Any]]] = {}  # (base, capture) -> its parts so far
     for line in index.read_text().splitlines():
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
             continue  # the partial last line of an append cut short by a crash
-        if (root / SHARD_DIR / record["shard"]).is_file():
-            records[record["base"]] = record
+        if not (root / SHARD_DIR / record["shard"]).is_file():
+            continue
+        if "capture" not in record:
+            records[record["base"]] = [record]
+            continue
+        parts = in_parts.setdefault((record["base"], record["capture"]), [])
+        parts.append(record)
+        if record["final"] and [r["part"] for r in parts] == list(range(len(parts))):
+            records[record["base"]] = parts
     return records
 
 
