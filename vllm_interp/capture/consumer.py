@@ -164,9 +164,10 @@ class RequestCapture:
 
 @dataclass
 class PendingCapture:
-    """A finished request's capture before its rows are gathered: ``fill`` writes them into a
-    ``[len(meta.sites), len(meta.positions), hidden]`` block that the consumer's host provides (ordinary or
-    shared memory), on the consumer's runner thread, so the worker's forward loop never copies them."""
+    """A finished request's capture (or a part of a running one's) before its rows are gathered: ``fill``
+    writes them into a ``[len(meta.sites), len(meta.positions), hidden]`` block that the consumer's host
+    provides (ordinary or shared memory), on the consumer's runner thread, so the worker's forward loop never
+    copies them."""
 
     meta: CaptureMeta
     hidden: int

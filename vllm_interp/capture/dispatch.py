@@ -5,8 +5,8 @@ host: the consumer itself on this thread, or its own process (``isolation.py``),
 consuming the previous request while this thread gathers the next. A request's result (and its room in the
 queue) comes when its host answers; with nothing queued the thread waits for every answer outstanding.
 
-The queue is bounded in bytes (``queue_mb``). When a finished request's rows do not fit, the engine-wide
-``--capture-overload-policy`` decides:
+The queue is bounded in bytes (``queue_mb``). When a finished request's rows (or a part's) do not fit, the
+engine-wide ``--capture-overload-policy`` decides:
 
 - ``block``: the worker waits for the consumer (decoding stalls; nothing is lost), at most
   ``BLOCK_TIMEOUT_S``: a consumer that makes no room in that time is taken as stalled, and the request's rows
@@ -121,7 +121,7 @@ class ConsumerRunner:
         return self.consumer_class.part_bytes({**self.host.context.options, **request_options})
 
     def submit(self, capture: PendingCapture, result: ConsumerResult) -> Future:
-        """Queue a finished request; the future resolves to its ``ConsumerResult``."""
+        """Queue a finished request (or a part of one); the future resolves to its ``ConsumerResult``."""
         job = _Job(capture, result, Future())
         with self._cond:
             if self._queued and self._queued + capture.nbytes > self.queue_bytes:

@@ -131,7 +131,7 @@ def _aligned(nbytes: int) -> int:
 
 
 class FilesystemConsumer(CaptureConsumer):
-    """Writes each finished request's capture under ``root`` (see the module docstring for the layouts)."""
+    """Writes each request's capture under ``root`` (see the module docstring for the layouts)."""
 
     name = "filesystem"
     default_isolation = "process"  # serialising and writing are CPU and disk work
