@@ -84,6 +84,11 @@ class CaptureMeta:
     final: bool = True  # whether it is the request's last part (a request handed on whole is one final part)
 
     @property
+    def in_parts(self) -> bool:
+        """Whether the request is handed on in parts (this one among them), not whole."""
+        return self.part > 0 or not self.final
+
+    @property
     def layers(self) -> list[int]:
         return site_metadata(self.sites)["layers"]
 
@@ -100,7 +105,7 @@ class CaptureMeta:
             "positions": self.positions,
             **site_metadata(self.sites),
             "dtype": self.dtype,
-            **({"part": self.part, "final": self.final} if self.part or not self.final else {}),
+            **({"part": self.part, "final": self.final} if self.in_parts else {}),
         }
 
 

@@ -283,6 +283,10 @@ class CaptureStore:
     def _held_sites(self, specs: CaptureSpec) -> tuple[tuple[int, int], ...]:
         return _held_sites(tuple(spec.sites(self.num_layers) for spec in specs.values()), self._held)
 
+    def _spec_sites(self, spec: Any) -> tuple[tuple[int, int], ...]:
+        """One consumer spec's sites on the layers this rank holds (none: another pipeline stage holds them)."""
+        return _held_sites((spec.sites(self.num_layers),), self._held)
+
     @property
     def capturing(self) -> bool:
         """Whether any request on this worker still captures (if not, steps need no read planning)."""
@@ -442,7 +446,7 @@ class CaptureStore:
             if entry is not None and entry.sites:
                 entry.chunks.append((step, k, {key: copy.part(k) for key, copy in large.items()} if large else None))
                 if entry.part_bytes and req_id not in ending:
-                    entry.unhanded_rows += int(step.plan.slot_starts[k + 1] - step.plan.slot_starts[k])
+                    entry.unhanded_rows += len(step.plan.positions_of(k))
                     if entry.unhanded_rows * self._position_bytes(entry) >= entry.part_bytes and len(entry.chunks) > 1:
                         self._hand_part(entry)
 
@@ -455,11 +459,11 @@ class CaptureStore:
         """Hand a running request's landed rows, but its newest step's, to its consumers as its next part."""
         chunks, entry.chunks = entry.chunks[:-1], entry.chunks[-1:]
         step, k, _ = entry.chunks[0]
-        entry.unhanded_rows = int(step.plan.slot_starts[k + 1] - step.plan.slot_starts[k])
+        entry.unhanded_rows = len(step.plan.positions_of(k))
         columns, num_columns = _columns(chunks)
         positions = np.array(sorted(p for p in columns if p not in entry.handed), dtype=np.int64)
         for name, spec in entry.specs.items():
-            sites = _held_sites((spec.sites(self.num_layers),), self._held)
+            sites = self._spec_sites(spec)
             picked = positions[spec.select(positions, entry.prompt_len)].tolist() if sites else []
             if picked:
                 parts = entry.parts.setdefault(name, [])
@@ -531,7 +535,7 @@ class CaptureStore:
         columns, num_columns = _columns(entry.chunks)
         futures = {}
         for name, spec in entry.specs.items():
-            sites = _held_sites((spec.sites(self.num_layers),), self._held)
+            sites = self._spec_sites(spec)
             if not sites:
                 continue  # another pipeline stage holds this consumer's layers
             final = self._submit(name, spec, entry, columns, num_columns, sites, computed)

@@ -189,7 +189,7 @@ class FilesystemConsumer(CaptureConsumer):
         options = {"layout": self.layout, "on_collision": self.on_collision, **meta_in.options}
         layout = options["layout"]
         shape = self._checked_shape(capture)
-        in_parts = meta_in.part > 0 or not meta_in.final
+        in_parts = meta_in.in_parts
         if meta_in.part:  # a later part: written under the base its first part claimed
             if meta_in.request_id not in self._open_parts:
                 raise ValueError(f"part {meta_in.part} of {meta_in.request_id!r}: its first part was not stored")
