@@ -21,8 +21,9 @@ shards on disk after shutdown, the server processes' peak
 resident memory, and, on the capture root's disk, the rate of the sink's own shard writer against a plain
 sequential write of the same bytes (A B A B, each synced to disk).
 
-``--py-spy PATH`` (a py-spy binary) samples the engine core's threads during each capturing phase, idle time
-included, into ``py-spy-<round>-<phase>.txt`` beside ``--out`` (collapsed stacks, one line per distinct stack).
+``--py-spy PATH`` (a py-spy binary) samples the engine core's threads and its children's (a consumer's own
+process) during each capturing phase, idle time included, into ``py-spy-<round>-<phase>.txt`` beside
+``--out`` (collapsed stacks, one line per distinct stack).
 """
 
 import argparse
@@ -81,7 +82,7 @@ class RssWatch(threading.Thread):
 
 
 class EngineSampler:
-    """py-spy sampling one process (the engine core) while a phase runs: ``start`` before it, ``stop`` after."""
+    """py-spy sampling the engine core and its children while a phase runs: ``start`` before it, ``stop`` after."""
 
     def __init__(self, binary: str, server_pid: int, out_dir: Path) -> None:
         self.binary, self.out_dir = binary, out_dir
@@ -94,7 +95,8 @@ class EngineSampler:
 
     def start(self, label: str) -> None:
         self._process = subprocess.Popen(
-            [self.binary, "record", "--pid", str(self.pid), "--idle", "--threads", "--nonblocking", "--rate", "200",
+            [self.binary, "record", "--pid", str(self.pid), "--subprocesses", "--idle", "--threads", "--nonblocking",
+             "--rate", "200",
              "--format", "raw", "--output", str(self.out_dir / f"py-spy-{label}.txt")],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(0.5)  # attached before the phase's first request

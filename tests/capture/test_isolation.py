@@ -317,3 +317,31 @@ def test_no_room_in_shared_memory_fails_only_that_request(monkeypatch):
         assert not leftover_blocks(runner.host)
     finally:
         runner.close()
+
+
+class ThreadCounting(CaptureConsumer):
+    """Answers with torch's thread count where it runs."""
+
+    name = "thread_counting"
+    process_threads = 1
+
+    def consume(self, capture: RequestCapture) -> dict:
+        return {"threads": torch.get_num_threads()}
+
+
+class ThreadCountingAtDefault(ThreadCounting):
+    process_threads = None
+
+
+def test_a_consumer_process_runs_torch_on_the_threads_its_class_asks_for():
+    counts = {}
+    for cls in (ThreadCounting, ThreadCountingAtDefault):
+        host = InProcess(cls, context(cls.name))
+        try:
+            answer = host.submit(PendingCapture.of(capture("req")))
+            host.settle()
+            counts[cls.process_threads] = answer.result()["threads"]
+        finally:
+            host.close()
+    assert counts == {1: 1, None: torch.get_num_threads()}
+    assert FilesystemConsumer.process_threads == 1

@@ -31,9 +31,22 @@ def pytest_pycollect_makemodule(module_path, parent):
     return None
 
 
-@pytest.fixture(scope="session")
-def engines(tmp_path_factory):
-    # Imported here, not above: it imports vLLM, which collecting on a CPU machine must not pay for.
-    from tests.gpu.modes import EngineModes
+_NAMED_MODES = pytest.StashKey[set]()
 
-    return EngineModes(tmp_path_factory.mktemp("gpu"))
+
+@pytest.hookimpl(trylast=True)  # after `-k` and `-m` have deselected
+def pytest_collection_modifyitems(config, items):
+    # The parameters of the selected tests, among them the engine modes they compare (`-k graphs` names fewer).
+    config.stash[_NAMED_MODES] = {value for item in items if hasattr(item, "callspec")
+                                  for value in item.callspec.params.values() if isinstance(value, str)}
+
+
+@pytest.fixture(scope="session")
+def engines(tmp_path_factory, pytestconfig):
+    # Imported here, not above: it imports vLLM, which collecting on a CPU machine must not pay for.
+    from tests.gpu.modes import ONE_GPU_MODES, EngineModes
+
+    # Only the one-GPU modes a selected test names start side by side: a narrow `-k` does not pay for all five.
+    named = pytestconfig.stash.get(_NAMED_MODES, set())
+    side_by_side = tuple(mode for mode in ONE_GPU_MODES if mode == "eager" or mode in named)
+    return EngineModes(tmp_path_factory.mktemp("gpu"), side_by_side)

@@ -93,8 +93,9 @@ class EngineModes:
     one after another. A mode that failed fails every later test that needs it, without running again.
     """
 
-    def __init__(self, base: Path) -> None:
+    def __init__(self, base: Path, side_by_side: tuple[str, ...] = ONE_GPU_MODES) -> None:
         self.base = base
+        self.side_by_side = side_by_side
         self.model = build_llama(base / "llama")
         self.results: dict[str, dict] = {}
         self.failures: dict[str, str] = {}
@@ -116,6 +117,11 @@ class EngineModes:
             if mode in self.failures:
                 pytest.fail(self.failures[mode], pytrace=False)
         return {mode: self.results[mode] for mode in modes}
+
+    def alongside(self, *modes: str) -> dict[str, dict]:
+        """``modes``' results, asked for with the one-GPU modes this session's tests name, so that those start
+        side by side (rather than one after another as tests ask for them)."""
+        return self(*dict.fromkeys([*self.side_by_side, *modes]))
 
     def _run_one_gpu_modes(self, queue: list[str], gpus: int) -> None:
         # A GPU freed by a short mode (eager) takes the next mode at once, rather than after the longest one.
@@ -143,9 +149,8 @@ class EngineModes:
 
 
 def with_eager(engines: EngineModes, mode: str) -> dict[str, dict]:
-    """``mode``'s results and eager's; every one-GPU mode is asked for with a one-GPU mode, so that they start
-    side by side."""
-    return engines(*ONE_GPU_MODES) if mode in ONE_GPU_MODES else engines("eager", mode)
+    """``mode``'s results and eager's (a one-GPU mode with the others the session's tests name)."""
+    return engines.alongside("eager", mode) if mode in ONE_GPU_MODES else engines("eager", mode)
 
 
 def readouts(saved: dict) -> list[ResidualReadout]:

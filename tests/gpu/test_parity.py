@@ -4,7 +4,7 @@ both of vLLM's model runners (V2, vLLM's pick for this model, and V1)."""
 import pytest
 
 from tests.gpu.engine_run import LAYERS, V1_MODES
-from tests.gpu.modes import ONE_GPU_MODES, readouts, report
+from tests.gpu.modes import readouts, report
 from tests.parity import compare
 from tests.reference import hf_residuals
 from tests.zoo import _input_of
@@ -20,8 +20,7 @@ VS_TRANSFORMERS_REL_TOL = 5e-3
 
 @pytest.mark.parametrize("mode", ["graphs", "eager", "v1_graphs", "v1_eager"])
 def test_every_site_matches_transformers(engines, mode):
-    # The one-GPU engines are asked for together so that they start side by side.
-    result = engines(*ONE_GPU_MODES)[mode]
+    result = engines.alongside(mode)[mode]
     # Graph mode must really have graphs, or this would be a second eager run; each mode its own runner.
     assert ("NONE" in result["cudagraph_mode"]) == mode.endswith("eager"), result["cudagraph_mode"]
     assert result["runners"] == ["V1" if mode in V1_MODES else "V2"]

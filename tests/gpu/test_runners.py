@@ -4,7 +4,7 @@ eagerly beyond it (rows and patch grids are compared with eager's in test_captur
 
 import pytest
 
-from tests.gpu.modes import ONE_GPU_MODES, print_figure
+from tests.gpu.modes import print_figure
 from tests.gpu.test_steering import LOGPROB_TOL
 
 pytestmark = pytest.mark.gpu
@@ -12,7 +12,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize(("v2", "v1"), [("eager", "v1_eager"), ("graphs", "v1_graphs")])
 def test_the_runners_steer_alike(engines, v2, v1):
-    results = engines(*ONE_GPU_MODES)
+    results = engines.alongside(v2, v1)
     got, want = results[v2]["steering"], results[v1]["steering"]
     assert sorted(got) == sorted(want)
     diffs = {case: max(abs(x - y) for x, y in zip(got[case], want[case], strict=True)) for case in want}
@@ -23,7 +23,7 @@ def test_the_runners_steer_alike(engines, v2, v1):
 
 @pytest.mark.parametrize("mode", ["graphs", "v1_graphs", "eager", "v1_eager"])
 def test_capturing_steps_replay_graphs_within_the_row_budget(engines, mode):
-    (steps,) = engines(*ONE_GPU_MODES)[mode]["capture_steps"]  # one worker
+    (steps,) = engines.alongside(mode)[mode]["capture_steps"]  # one worker
     print_figure(f"capturing steps ({mode})", f"{steps['graph']} read inside replayed graphs, {steps['eager']} "
                                               "ran eagerly")
     if mode.endswith("eager"):

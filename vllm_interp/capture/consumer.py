@@ -212,6 +212,12 @@ class CaptureConsumer:
     # (serialisation, writing, statistics) off the worker's interpreter; ``thread`` suits consumers that
     # share state with the worker (patch sources) or whose result is the rows themselves (inline).
     default_isolation: ClassVar[str] = "thread"
+    # Torch's thread count in the consumer's own process (``isolation=process``); None: torch's default, a
+    # thread per core. A consumer whose work is copying and writing wants 1: torch splits a large copy across
+    # every core, and into memory not touched yet those threads mostly wait on each other's page faults,
+    # while taking cores from the engine (H200 host, 8 MiB parts to the sharded layout: the child's copies
+    # 0.66 of its time at 16 threads, 0.27 at 1; benchmarks/consumer_handoff.py).
+    process_threads: ClassVar[int | None] = None
     # A consumer that needs only a per-row summary names it here (see ``RowReduction``); None: whole rows.
     row_reduction: ClassVar[RowReduction | None] = None
 

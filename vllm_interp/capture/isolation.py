@@ -361,6 +361,8 @@ def _serve(conn: Connection) -> None:
     """The child: build the consumer, then answer requests until told to close or the worker goes away. Every
     answer is ``(status, value, kept)``: ``kept`` tells whether the consumer still holds the request's block."""
     cls, context, level = conn.recv()
+    if cls.process_threads is not None:
+        torch.set_num_threads(cls.process_threads)
     logging.basicConfig(format="%(levelname)s %(asctime)s [%(name)s] %(message)s")
     logging.getLogger("vllm_interp").setLevel(level)
     try:

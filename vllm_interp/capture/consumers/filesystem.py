@@ -135,6 +135,7 @@ class FilesystemConsumer(CaptureConsumer):
 
     name = "filesystem"
     default_isolation = "process"  # serialising and writing are CPU and disk work
+    process_threads = 1  # copies and writes (CaptureConsumer.process_threads)
 
     def __init__(self, context: ConsumerContext) -> None:
         super().__init__(context)
