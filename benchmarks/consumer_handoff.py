@@ -99,12 +99,15 @@ def handoff(args: argparse.Namespace, depth: int) -> tuple[float, dict[str, floa
     return (args.requests - 1 - first) * request_mb / span, shares
 
 
-def plain_write_mb_s(root: str, nbytes: int = 256 << 20) -> float:
-    data = os.urandom(nbytes)
+def plain_write_mb_s(root: str, nbytes: int = 256 << 20, chunk: memoryview | None = None) -> float:
+    """MB/s of one synced write of ``nbytes`` to a file under ``root``: random bytes in one call, or ``chunk``
+    written again and again."""
+    chunk = chunk if chunk is not None else memoryview(os.urandom(nbytes))
     fd, path = tempfile.mkstemp(dir=root)
     try:
         started = time.perf_counter()
-        os.write(fd, data)
+        for _ in range(nbytes // chunk.nbytes):
+            os.write(fd, chunk)
         os.fsync(fd)
         return nbytes / 1e6 / (time.perf_counter() - started)
     finally:

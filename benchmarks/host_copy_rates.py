@@ -21,6 +21,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from benchmarks.consumer_handoff import plain_write_mb_s
+
 
 def shared_block(nbytes: int) -> mmap.mmap:
     """``nbytes`` of /dev/shm, mapped and filled, as the worker leaves a block it gathered rows into."""
@@ -58,20 +60,6 @@ def torch_copy(threads: int | None) -> Callable[[np.ndarray, np.ndarray], None]:
     return copy
 
 
-def write_rate(root: str, source: np.ndarray, buffer_bytes: int) -> float:
-    """MB/s writing ``buffer_bytes`` to a file a chunk at a time from ``source``, then syncing it."""
-    fd, path = tempfile.mkstemp(dir=root)
-    try:
-        started = time.perf_counter()
-        for _ in range(buffer_bytes // source.size):
-            os.write(fd, memoryview(source))
-        os.fsync(fd)
-        return buffer_bytes / 1e6 / (time.perf_counter() - started)
-    finally:
-        os.close(fd)
-        os.unlink(path)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--root", default=tempfile.gettempdir())
@@ -89,7 +77,7 @@ def main() -> None:
         ways[f"torch copy_ (1 thread), {into}"] = lambda fresh=fresh: copy_rate(torch_copy(1), source, buffer_bytes,
                                                                                 fresh)
         ways[f"numpy copyto, {into}"] = lambda fresh=fresh: copy_rate(np.copyto, source, buffer_bytes, fresh)
-    ways["os.write per chunk + fsync"] = lambda: write_rate(args.root, source, buffer_bytes)
+    ways["os.write per chunk + fsync"] = lambda: plain_write_mb_s(args.root, buffer_bytes, memoryview(source))
     rates: dict[str, list[float]] = {way: [] for way in ways}
     for _ in range(args.rounds):
         for way, measure in ways.items():
