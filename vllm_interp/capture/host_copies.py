@@ -17,6 +17,9 @@ The store polls the events at later steps, on the forward thread, and lands each
   request into fresh memory on the forward thread: a ``last_prompt`` prefill step of 32 requests at 48 sites
   took 2.3-3.3 ms of it on an H200 host.
 
+Blocks over ``PINNED_CACHED_MAX_BYTES`` are copied into ``PinnedArena``, pinned memory kept for them and used
+as a ring, rather than into fresh pinned memory each time.
+
 No thread takes part. A copier thread used to land large blocks: first copying them itself from a stream of
 its own into pageable memory, which made every CUDA call of the forward thread about ten times slower on an
 H100 (``cudaMemcpyAsync`` 158 us on average against 15, kernel launches 118 us against 12), then only
@@ -25,6 +28,10 @@ and splitting on the forward thread instead was faster in each of three rounds (
 ``benchmarks/capture_breakdown.py``): a thread beside the forward loop costs more in turns at the
 interpreter lock than the copy it takes off it.
 """
+
+from collections import deque
+from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 import torch
@@ -46,7 +53,7 @@ class SplitCopy:
         self._pinned: torch.Tensor | None = None
         self._event: torch.cuda.Event | None = None
         if block is not None:
-            self._pinned, self._event = start_pinned_copy(block)
+            self._pinned, self._event, self._release = start_pinned_copy(block)
 
     @classmethod
     def landed(cls, host: torch.Tensor, splits: list[tuple[int, int]]) -> "SplitCopy":
@@ -64,9 +71,8 @@ class SplitCopy:
         if self.parts is None:
             self._event.synchronize()
             self.parts = split_copies(self._pinned, self.splits)
-            nbytes = _nbytes(self._pinned)
             self._pinned = self._event = None
-            _let_go(nbytes)
+            self._release()
 
     def part(self, i: int) -> torch.Tensor:
         """Request ``i``'s rows (after ``wait``)."""
@@ -89,7 +95,7 @@ class WholeCopy:
         self._host: torch.Tensor | None = None
         self._array: np.ndarray | None = None  # the same memory, for slicing at numpy's cost
         if block.is_cuda:
-            self._pinned, self._event = start_pinned_copy(block)
+            self._pinned, self._event, self._release = start_pinned_copy(block)
         else:  # a CPU engine's rows are in host memory already, in a block of their own
             self._land(block)
 
@@ -100,9 +106,8 @@ class WholeCopy:
         if self._host is None:
             self._event.synchronize()
             self._land(self._pinned.clone())
-            nbytes = _nbytes(self._pinned)
             self._pinned = self._event = None
-            _let_go(nbytes)
+            self._release()
 
     def _land(self, host: torch.Tensor) -> None:
         self._host, self._array = host, as_array(host)
@@ -120,22 +125,83 @@ class WholeCopy:
         return self._array[:, start:stop]
 
 
-def start_pinned_copy(block: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
+def start_pinned_copy(block: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event, Callable[[], None]]:
     """Queue a copy of ``block`` into pinned host memory on the current stream, without waiting; returns the
-    host tensor and an event that completes when it has landed."""
-    pinned = torch.empty(block.shape, dtype=block.dtype, pin_memory=True)
+    host tensor, an event that completes when it has landed, and what to call once the host tensor has been
+    copied out of (its memory is then reused). A large block goes to the arena, when it has room."""
+    nbytes = _nbytes(block)
+    taken = ARENA.take(nbytes) if nbytes > PINNED_CACHED_MAX_BYTES else None
+    if taken is not None:
+        memory, release = taken
+        pinned = memory.view(block.dtype).view(block.shape)
+    else:
+        pinned = torch.empty(block.shape, dtype=block.dtype, pin_memory=True)
+        release = partial(_let_go, nbytes)
     pinned.copy_(block, non_blocking=True)
     event = torch.cuda.Event()
     event.record()
-    return pinned, event
+    return pinned, event, release
 
 
 def _let_go(nbytes: int) -> None:
-    """After a landed block's pinned memory (``nbytes``) was copied out and dropped: torch keeps pinned blocks
+    """After a block's fresh pinned memory (``nbytes``) was copied out and dropped: torch keeps pinned blocks
     cached for good, rounded up to a power of two, so what a rare large block (a long prompt's eager prefill)
     took is given back instead of held locked."""
     if nbytes > PINNED_CACHED_MAX_BYTES:
         torch._C._host_emptyCache()  # a private name, present in the pinned torch 2.11
+
+
+class PinnedArena:
+    """Pinned host memory that large blocks are copied into in turn, as a ring: blocks land in the order they
+    were copied, and each is given back once split out of, so the oldest is the next to go.
+
+    A large block in fresh pinned memory costs pinning it (and giving it back after, see ``_let_go``): in a
+    burst of every-token captures, whose prefill steps make blocks of hundreds of MiB, that was 112 of the
+    forward thread's 1,169 samples on an H200 host, and keeping those blocks in torch's cache instead was worse
+    (289: the blocks' sizes vary, and its power-of-two rounding pinned ever new ones). The arena is allocated
+    at the first large block, ``SLOTS`` times its size (at most ``MAX_BYTES``), and kept; a block it has no
+    room for takes fresh pinned memory as before. Every copy into it is queued on the forward thread's
+    stream, so a region given back is written again only after the copy that used it before."""
+
+    SLOTS = 4  # large blocks in flight at once: a step's copy lands one or two steps later
+    MAX_BYTES = 2 << 30
+    ALIGN = 4096
+
+    def __init__(self, allocate: Callable[[int], torch.Tensor] | None = None) -> None:
+        self._allocate = allocate or (lambda nbytes: torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))
+        self._memory: torch.Tensor | None = None
+        self._regions: deque[list] = deque()  # [start, stop, given back], oldest first
+
+    def take(self, nbytes: int) -> tuple[torch.Tensor, Callable[[], None]] | None:
+        """``nbytes`` of the arena and what gives them back, or None when it has no room for them."""
+        if self._memory is None:
+            self._memory = self._allocate(min(self.MAX_BYTES, _round_up(self.SLOTS * nbytes, self.ALIGN)))
+        size, need = self._memory.numel(), _round_up(nbytes, self.ALIGN)
+        if not self._regions:
+            start = 0 if need <= size else None
+        else:
+            head, tail = self._regions[-1][1], self._regions[0][0]
+            if head > tail:  # live regions run from tail to head: room after head, else from 0 up to tail
+                start = head if head + need <= size else 0 if need <= tail else None
+            else:  # wrapped: room between head and tail
+                start = head if head + need <= tail else None
+        if start is None:
+            return None
+        region = [start, start + need, False]
+        self._regions.append(region)
+        return self._memory[start: start + nbytes], partial(self._give_back, region)
+
+    def _give_back(self, region: list) -> None:
+        region[2] = True
+        while self._regions and self._regions[0][2]:
+            self._regions.popleft()
+
+
+ARENA = PinnedArena()
+
+
+def _round_up(n: int, step: int) -> int:
+    return -(-n // step) * step
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -1,0 +1,53 @@
+"""The pinned arena large blocks are copied into: a ring whose regions go back oldest first, which never
+hands out memory still in use and says when it has no room (the block then takes fresh pinned memory)."""
+
+import torch
+
+from vllm_interp.capture.host_copies import PinnedArena
+
+MIB = 1 << 20
+
+
+def arena() -> PinnedArena:
+    """An arena of ordinary memory (a CPU machine has no pinned memory), sized at its first block."""
+    return PinnedArena(allocate=lambda nbytes: torch.zeros(nbytes, dtype=torch.uint8))
+
+
+def offset(memory: torch.Tensor, base: torch.Tensor) -> int:
+    return memory.data_ptr() - base.data_ptr()
+
+
+def test_blocks_take_the_ring_in_turn_and_wrap_once_the_oldest_go_back():
+    ring = arena()
+    first, give_back_first = ring.take(MIB)
+    base = first  # the first block starts the arena, which holds SLOTS of it
+    assert ring._memory.numel() == PinnedArena.SLOTS * MIB
+    taken = [ring.take(MIB) for _ in range(PinnedArena.SLOTS - 1)]
+    assert [offset(memory, base) for memory, _ in taken] == [MIB * (i + 1) for i in range(PinnedArena.SLOTS - 1)]
+    assert ring.take(MIB) is None  # full: the caller pins fresh memory
+    taken[0][1]()  # the second block goes back before the first: nothing is free until the first does
+    assert ring.take(MIB) is None
+    give_back_first()
+    memory, _ = ring.take(2 * MIB)  # the two oldest regions, at the start of the ring again
+    assert offset(memory, base) == 0
+    assert ring.take(1) is None  # the rest is still in use
+
+
+def test_a_block_is_never_given_memory_another_holds():
+    ring = arena()
+    held = {}
+    generator = torch.Generator().manual_seed(0)
+    ring.take(8 * MIB)[1]()  # sizes the arena: 32 MiB
+    for step in range(200):
+        nbytes = int(torch.randint(1, 6 * MIB, (1,), generator=generator))
+        taken = ring.take(nbytes)
+        if taken is not None:
+            memory, give_back = taken
+            memory.fill_(step % 251)
+            held[step] = (memory, give_back, step % 251)
+        # Blocks land in order: the oldest goes back first, a step or two later.
+        while held and (len(held) > 2 or taken is None):
+            oldest = min(held)
+            memory, give_back, value = held.pop(oldest)
+            assert bool((memory == value).all()), f"block of step {oldest} was overwritten"
+            give_back()

@@ -1,0 +1,29 @@
+"""Large blocks leave the device through the pinned arena intact: several in flight at once, landed in order,
+each split per request, none overwritten by a later block's copy or by the device's later writes."""
+
+import pytest
+import torch
+
+from vllm_interp.capture import host_copies
+from vllm_interp.capture.host_copies import PINNED_CACHED_MAX_BYTES, SplitCopy
+
+pytestmark = pytest.mark.gpu
+
+
+def test_large_blocks_land_intact_through_the_arena():
+    sites, hidden = 16, 2048
+    rows = PINNED_CACHED_MAX_BYTES // (sites * hidden * 2) + 64  # just over the size that takes the arena
+    splits = [(0, rows // 3), (rows // 3, rows)]
+    device_block = torch.empty(sites, rows, hidden, dtype=torch.bfloat16, device="cuda")
+    in_flight: list[tuple[int, SplitCopy]] = []
+    for step in range(12):
+        device_block.fill_(step)
+        in_flight.append((step, SplitCopy(splits, device_block)))
+        device_block.fill_(-1)  # after the copy was queued: it must not reach the host copy
+        if len(in_flight) > 2:  # blocks land a step or two after they were copied
+            landed, copy = in_flight.pop(0)
+            copy.wait()
+            for (start, stop), part in zip(splits, copy.parts, strict=True):
+                assert part.shape == (sites, stop - start, hidden)
+                assert bool((part == landed).all()), f"step {landed}'s rows were overwritten"
+    assert host_copies.ARENA._memory is not None and host_copies.ARENA._memory.is_pinned()
