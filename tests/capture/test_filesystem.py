@@ -148,6 +148,32 @@ def test_sharded_round_trip_is_published_at_close(tmp_path):
         assert meta == index[i]
 
 
+def test_reading_every_sharded_capture_parses_the_index_once_per_version(tmp_path):
+    """An export reads each capture of a root in turn: the index (and a shard's header) is parsed once, not
+    once per capture, and lines appended later are seen; what a read returns is the caller's own."""
+    consumer = make_consumer(tmp_path, layout="sharded")
+    for i in range(6):
+        consumer.consume(make_capture(request_id=f"r{i}", seed=i))
+    consumer.close()
+    filesystem._indexed_captures.cache_clear()
+    filesystem._opened_shard.cache_clear()
+    for base in list_captures(tmp_path):
+        _, meta = read_capture(tmp_path, base)
+        meta["sites"].append("spoiled")  # the caller's copy: the next read must not see it
+    assert filesystem._indexed_captures.cache_info().misses == 1
+    assert filesystem._opened_shard.cache_info().misses == 1  # the one shard all six share
+    assert read_capture(tmp_path, "r0")[1]["sites"] == SITES
+    consumer = make_consumer(tmp_path, layout="sharded")
+    consumer.consume(make_capture(request_id="late", seed=9))
+    consumer.close()  # appends the index: a new version of it
+    assert "late" in list_captures(tmp_path)
+    assert filesystem._indexed_captures.cache_info().misses == 2
+    (tmp_path / "shards" / "shard-00001.safetensors").unlink()  # a shard gone: its captures are not listed
+    assert "late" not in list_captures(tmp_path) and "r0" in list_captures(tmp_path)
+    with pytest.raises(FileNotFoundError):
+        read_capture(tmp_path, "late")
+
+
 def in_parts(capture: RequestCapture, bounds: list[int]) -> list[RequestCapture]:
     """``capture`` as the worker hands on a request in parts: its positions cut at ``bounds``."""
     edges = [0, *bounds, len(capture.meta.positions)]

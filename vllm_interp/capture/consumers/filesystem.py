@@ -34,6 +34,8 @@ line exists. Readers ignore everything else (temp leftovers, data without a side
 assumed to be the only writer of a root.
 """
 
+import copy
+import functools
 import itertools
 import json
 import os
@@ -688,35 +690,62 @@ def _read_sharded(root: Path, base: str) -> tuple[dict[str, torch.Tensor], dict[
     parts = []
     for record in records:
         key = f"{base}/{record['capture']}.{record['part']}" if "capture" in record else base
-        with safe_open(root / SHARD_DIR / record["shard"], framework="pt") as f:
-            parts.append({site: f.get_tensor(f"{key}/{site}") for site in record["sites"]})
+        shard = _open_shard(root / SHARD_DIR / record["shard"])
+        parts.append({site: shard.get_tensor(f"{key}/{site}") for site in record["sites"]})
     if len(parts) == 1:
-        return parts[0], records[0]
+        return parts[0], copy.deepcopy(records[0])
     # A capture in parts: its rows by position (a later part never repeats a position).
     positions = [p for record in records for p in record["positions"]]
     order = torch.tensor(sorted(range(len(positions)), key=positions.__getitem__), dtype=torch.long)
     tensors = {site: torch.cat([part[site] for part in parts]).index_select(0, order) for site in records[-1]["sites"]}
-    meta = {key: value for key, value in records[-1].items() if key not in ("part", "final")}
+    meta = {key: copy.deepcopy(value) for key, value in records[-1].items() if key not in ("part", "final")}
     meta.update(positions=sorted(positions), shape=[len(positions), meta["shape"][1]], parts=len(records),
                 shards=list(dict.fromkeys(record["shard"] for record in records)))
     return tensors, meta
 
 
+def _open_shard(path: Path) -> Any:
+    """A shard opened for reading, reused while the file is the same: its header names every tensor and
+    request it holds, and parsing it again for each capture made reading a shard's N captures cost N times
+    the header."""
+    stat = path.stat()
+    return _opened_shard(str(path), stat.st_ino, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _opened_shard(path: str, inode: int, mtime_ns: int) -> Any:
+    return safe_open(path, framework="pt")
+
+
 def _read_index(root: Path) -> dict[str, list[dict[str, Any]]]:
     """The sharded captures by base, each as its index lines (one, or its parts in order): the last complete
     capture of a base wins (an overwrite appends a newer one; a capture in parts is complete with its final
-    part's line)."""
+    part's line). Lines naming a shard that is not there are skipped. Shared between calls: not to be
+    changed (callers copy what they hand out)."""
     index = root / SHARD_DIR / INDEX_NAME
-    if not index.exists():
+    try:
+        stat = index.stat()
+    except FileNotFoundError:
         return {}
+    # One listing rather than a stat per line; with the index's version, it keys what was built before.
+    return _indexed_captures(str(index), stat.st_ino, stat.st_size, stat.st_mtime_ns,
+                             frozenset(os.listdir(index.parent)))
+
+
+@functools.lru_cache(maxsize=8)
+def _indexed_captures(path: str, inode: int, size: int, mtime_ns: int,
+                      shards: frozenset[str]) -> dict[str, list[dict[str, Any]]]:
+    """``_read_index`` for one version of an index file (it is only ever appended to, so its size tells a new
+    one) and one set of shard files: an export reads every capture of a root in turn, and parsing the index
+    for each made reading N captures cost N times the whole index (2,000 small captures: 87 s)."""
     records: dict[str, list[dict[str, Any]]] = {}
     in_parts: dict[tuple[str, str], list[dict[str, Any]]] = {}  # (base, capture) -> its parts so far
-    for line in index.read_text().splitlines():
+    for line in Path(path).read_text().splitlines():
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
             continue  # the partial last line of an append cut short by a crash
-        if not (root / SHARD_DIR / record["shard"]).is_file():
+        if record["shard"] not in shards:
             continue
         if "capture" not in record:
             records[record["base"]] = [record]
