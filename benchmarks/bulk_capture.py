@@ -3,7 +3,7 @@ requests that capture nothing.
 
     python -m benchmarks.bulk_capture MODEL --out FILE.md [--concurrency 64] [--prompt-tokens 256]
         [--max-tokens 256] [--rounds 2] [--isolation process|thread] [--phases plain,logging_packed,...]
-        [--py-spy PATH] [--server-arg=--enforce-eager ...]
+        [--py-spy PATH] [--torch-profile] [--server-arg=--enforce-eager ...]
 
 One server with the ``logging`` consumer and the ``filesystem`` consumer (``layout=sharded``), each where it
 runs by default (``logging`` on a worker thread, ``filesystem`` in its own process; ``--isolation`` puts both
@@ -24,6 +24,10 @@ sequential write of the same bytes (A B A B, each synced to disk).
 ``--py-spy PATH`` (a py-spy binary) samples the engine core's threads and its children's (a consumer's own
 process) during each capturing phase, idle time included, into ``py-spy-<round>-<phase>.txt`` beside
 ``--out`` (collapsed stacks, one line per distinct stack).
+
+``--torch-profile`` runs vLLM's torch profiler over a window of decode steps of every phase, plain included
+(``benchmarks/step_profile.py``), and adds each phase's device time per step, by kernel, to the report. The
+profiler slows the steps it records: that run's throughput figures are not comparable with others'.
 """
 
 import argparse
@@ -41,6 +45,7 @@ from typing import Any
 import psutil
 import torch
 
+from benchmarks import step_profile
 from benchmarks.serve import RESULTS_METRICS, RunStats, column_medians, fmt, gpu_card, ratio, run_requests
 from benchmarks.serving import VLLM_INTERP_MODULE, launch_server, server_rss_mb, stop_server, wait_healthy
 from vllm_interp.capture.consumer import CaptureMeta, ConsumerContext, RequestCapture
@@ -215,6 +220,7 @@ def main() -> None:
     parser.add_argument("--start-timeout", type=float, default=600)
     parser.add_argument("--phases", default=",".join(PHASES), help="which of the phases to run (plain always)")
     parser.add_argument("--py-spy", default=None, help="py-spy binary: sample the engine core in capturing phases")
+    parser.add_argument("--torch-profile", action="store_true", help="device time per step of each phase, by kernel")
     args = parser.parse_args()
     unknown = set(args.phases.split(",")) - set(PHASES)
     if unknown:
@@ -229,8 +235,11 @@ def main() -> None:
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     began = time.monotonic()
     isolation = f",isolation={args.isolation}" if args.isolation else ""
+    profiles = workdir / "profiles"
+    profiling = step_profile.profiler_args(profiles) if args.torch_profile else []
+    profile_sections: list[str] = []
     url, server = launch_server(
-        [args.model, "--max-model-len", str(args.prompt_tokens + args.max_tokens + 16), *args.server_arg,
+        [args.model, "--max-model-len", str(args.prompt_tokens + args.max_tokens + 16), *args.server_arg, *profiling,
          "--capture-consumers", f"logging:level=debug{isolation}",
          "--capture-consumers", f"filesystem:root={root},layout=sharded{isolation}"],
         workdir / "server.log", None, VLLM_INTERP_MODULE)
@@ -256,9 +265,16 @@ def main() -> None:
                 bodies = [body(capture) for _ in range(args.requests)]
                 if sampler and capture:
                     sampler.start(f"{round_index}-{name}")
+                if args.torch_profile:
+                    since = time.time()
+                    step_profile.post(url, "/start_profile")
                 stats = run_requests(url, bodies, args.concurrency)
                 if sampler and capture:
                     sampler.stop()
+                if args.torch_profile:
+                    step_profile.post(url, "/stop_profile")
+                    profile_sections.append(step_profile.summarise(step_profile.traces_since(profiles, since),
+                                                                   f"round {round_index} {name}"))
                 # Every position but the last generated one goes through the model, at every layer.
                 rows = len(stats.ok) * (args.prompt_tokens + args.max_tokens - 1) * layers if capture else 0
                 phases.append(Phase(round_index, name, stats, rows * hidden * itemsize))
@@ -271,6 +287,9 @@ def main() -> None:
     on_disk = shard_bytes(root)  # the sink's shards once the server (and its consumer) closed
     rates = disk_rates(workdir, args.disk_mb, hidden, layers, args.rounds)
     text = report(args, phases, rates, watch.peak, layers, hidden, started, time.monotonic() - began, on_disk)
+    if profile_sections:
+        text += ("\n## Device time per step (torch profiler; it slows the steps it records)\n\n"
+                 + "\n".join(profile_sections))
     Path(args.out).write_text(text)
     print(text)
 

@@ -1,0 +1,65 @@
+"""Where a serving engine's steps spend device time: vLLM's torch profiler over a window of steps, summarised.
+
+A server started with ``profiler_args(directory)`` profiles ``WINDOW_STEPS`` engine steps, ``SKIP_STEPS`` after
+each ``POST /start_profile`` (past a phase's prefill, into its decode), and writes a trace per worker when
+``POST /stop_profile`` comes. ``summarise`` reads the traces written since a phase started and returns a
+Markdown table: the device's busy time per profiled step (kernels, copies and sets, from the traces' GPU
+events; on a CPU engine, whose traces hold none, the CPU operators' time, a nested operator's counted in its
+parent's too) and the items that took most of it. Comparing a capturing phase's table with the plain
+phase's shows what capture adds to a step on the device, which host-side sampling (py-spy) cannot see.
+"""
+
+import gzip
+import json
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+WINDOW_STEPS = 40
+SKIP_STEPS = 30
+DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+TOP_ITEMS = 12
+
+
+def profiler_args(directory: Path) -> list[str]:
+    """`vllm serve` arguments for a torch profiler over a window of steps, writing under ``directory``."""
+    config = {"profiler": "torch", "torch_profiler_dir": str(directory), "torch_profiler_with_stack": False,
+              "ignore_frontend": True, "delay_iterations": SKIP_STEPS, "max_iterations": WINDOW_STEPS}
+    return ["--profiler-config", json.dumps(config)]
+
+
+def post(url: str, path: str) -> None:
+    request = urllib.request.Request(f"{url}{path}", data=b"", method="POST")
+    with urllib.request.urlopen(request, timeout=600) as response:
+        response.read()
+
+
+def traces_since(directory: Path, since: float) -> list[Path]:
+    return sorted(p for p in directory.rglob("*") if p.is_file() and p.stat().st_mtime >= since
+                  and (p.name.endswith(".json") or p.name.endswith(".json.gz")))
+
+
+def summarise(traces: list[Path], label: str) -> str:
+    """The device's busy time per profiled step in ``traces``, and its largest items, as Markdown."""
+    if not traces:
+        return f"### {label}\n\nno trace was written\n"
+    busy: Counter[str] = Counter()
+    cpu_ops: Counter[str] = Counter()
+    for trace in traces:
+        opener = gzip.open if trace.name.endswith(".gz") else open
+        with opener(trace, "rt") as f:
+            events = json.load(f).get("traceEvents", [])
+        for event in events:
+            if event.get("ph") != "X":
+                continue
+            if event.get("cat") in DEVICE_CATEGORIES:
+                busy[event.get("name", "?")[:90]] += event.get("dur", 0)
+            elif event.get("cat") == "cpu_op":
+                cpu_ops[event.get("name", "?")[:90]] += event.get("dur", 0)
+    what, items = ("device", busy) if busy else ("CPU operators (no device events)", cpu_ops)
+    total = sum(items.values())
+    lines = [f"### {label}", "", f"{len(traces)} trace(s); {what}: {total / WINDOW_STEPS:.0f} us per profiled step "
+             f"({WINDOW_STEPS} steps)", "", "| item | us per step | share |", "|---|---|---|"]
+    for name, duration in items.most_common(TOP_ITEMS):
+        lines.append(f"| `{name}` | {duration / WINDOW_STEPS:.1f} | {duration / total:.3f} |")
+    return "\n".join(lines) + "\n"
