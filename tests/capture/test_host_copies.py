@@ -1,5 +1,6 @@
 """The pinned arena large blocks are copied into: a ring whose regions go back oldest first, which never
-hands out memory still in use and says when it has no room (the block then takes fresh pinned memory)."""
+hands out memory still in use and says when it has no room (the block then takes fresh pinned memory), as it
+does for good when the arena itself cannot be pinned."""
 
 import torch
 
@@ -51,3 +52,16 @@ def test_a_block_is_never_given_memory_another_holds():
             memory, give_back, value = held.pop(oldest)
             assert bool((memory == value).all()), f"block of step {oldest} was overwritten"
             give_back()
+
+
+def test_an_arena_that_cannot_be_pinned_leaves_every_block_to_fresh_pinned_memory(caplog):
+    calls = []
+
+    def no_room(nbytes: int) -> torch.Tensor:
+        calls.append(nbytes)
+        raise RuntimeError("CUDA error: out of memory")
+
+    ring = PinnedArena(allocate=no_room)
+    assert ring.take(MIB) is None and ring.take(MIB) is None
+    assert calls == [PinnedArena.SLOTS * MIB]  # tried once, not at every block
+    assert "no pinned arena of 4 MiB" in caplog.text

@@ -29,12 +29,15 @@ and splitting on the forward thread instead was faster in each of three rounds (
 interpreter lock than the copy it takes off it.
 """
 
+import logging
 from collections import deque
 from collections.abc import Callable
 from functools import partial
 
 import numpy as np
 import torch
+
+logger = logging.getLogger(__name__)
 
 # Small enough that a step's block, held by its requests as views until they finish, wastes little memory.
 WHOLE_MAX_BYTES = 1 << 20
@@ -170,12 +173,22 @@ class PinnedArena:
     def __init__(self, allocate: Callable[[int], torch.Tensor] | None = None) -> None:
         self._allocate = allocate or (lambda nbytes: torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))
         self._memory: torch.Tensor | None = None
+        self._unavailable = False  # its allocation failed once: not tried again
         self._regions: deque[list] = deque()  # [start, stop, given back], oldest first
 
     def take(self, nbytes: int) -> tuple[torch.Tensor, Callable[[], None]] | None:
         """``nbytes`` of the arena and what gives them back, or None when it has no room for them."""
         if self._memory is None:
-            self._memory = self._allocate(min(self.MAX_BYTES, _round_up(self.SLOTS * nbytes, self.ALIGN)))
+            if self._unavailable:
+                return None
+            arena_bytes = min(self.MAX_BYTES, _round_up(self.SLOTS * nbytes, self.ALIGN))
+            try:
+                self._memory = self._allocate(arena_bytes)
+            except RuntimeError as exc:  # no room to pin that much: every block is pinned fresh, as before
+                logger.warning("vllm-interp: no pinned arena of %d MiB for large capture blocks (%s); each is "
+                               "pinned on its own", arena_bytes >> 20, exc)
+                self._unavailable = True
+                return None
         size, need = self._memory.numel(), _round_up(nbytes, self.ALIGN)
         if not self._regions:
             start = 0 if need <= size else None
