@@ -3,7 +3,7 @@ requests that capture nothing.
 
     python -m benchmarks.bulk_capture MODEL --out FILE.md [--concurrency 64] [--prompt-tokens 256]
         [--max-tokens 256] [--rounds 2] [--isolation process|thread] [--phases plain,logging_packed,...]
-        [--py-spy PATH] [--torch-profile] [--server-arg=--enforce-eager ...]
+        [--py-spy PATH] [--torch-profile] [--disk-mb 2048] [--disk-only] [--server-arg=--enforce-eager ...]
 
 One server with the ``logging`` consumer and the ``filesystem`` consumer (``layout=sharded``), each where it
 runs by default (``logging`` on a worker thread, ``filesystem`` in its own process; ``--isolation`` puts both
@@ -19,7 +19,8 @@ Reported: throughput and TPOT of each phase against ``plain`` of the same round,
 a burst against the one before it, the bytes of rows each capturing phase captured and their rate, the sink's
 shards on disk after shutdown, the server processes' peak
 resident memory, and, on the capture root's disk, the rate of the sink's own shard writer against a plain
-sequential write of the same bytes (A B A B, each synced to disk).
+sequential write of the same bytes (A B A B, each synced to disk); ``--disk-only`` measures only that, without a
+server.
 
 ``--py-spy PATH`` (a py-spy binary) samples the engine core's threads and its children's (a consumer's own
 process) during each capturing phase, idle time included, into ``py-spy-<round>-<phase>.txt`` beside
@@ -33,6 +34,7 @@ profiler slows the steps it records: that run's throughput figures are not compa
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -153,14 +155,12 @@ def disk_rates(root: Path, total_mb: int, hidden: int, layers: int, rounds: int)
             os.fsync(f.fileno())
         plain_s = time.perf_counter() - started
         rates.append((written / sink_s / 1e6, -(-written // len(block)) * len(block) / plain_s / 1e6))
-        for path in sorted(directory.rglob("*"), reverse=True):
-            path.rmdir() if path.is_dir() else path.unlink()
-        directory.rmdir()
+        shutil.rmtree(directory)
     return rates
 
 
-def report(args: argparse.Namespace, phases: list[Phase], rates: list[tuple[float, float]], rss: dict[str, float],
-           layers: int, hidden: int, started: str, wall_s: float, on_disk: int) -> str:
+def report(args: argparse.Namespace, phases: list[Phase], rates: list[tuple[float, float]],
+           rss: dict[str, float], layers: int, hidden: int, started: str, wall_s: float, on_disk: int) -> str:
     lines = [f"# Bulk capture: every token, every layer ({time.strftime('%Y-%m-%d')})", "",
              f"- Card: {gpu_card()}", f"- Model: `{args.model}` ({layers} layers, hidden {hidden})",
              f"- Per phase: {args.requests} streaming requests at concurrency {args.concurrency}, "
@@ -196,12 +196,16 @@ def report(args: argparse.Namespace, phases: list[Phase], rates: list[tuple[floa
     captured = sum(p.captured_bytes for p in phases if p.name.startswith("sink"))
     lines += ["", f"The sink's shards on disk after shutdown: {on_disk / 1e6:.0f} MB (its phases captured "
               f"{captured / 1e6:.0f} MB of rows; a shard still buffered is published when the server stops).", ""]
-    lines += ["Disk, on the capture root (shard writer vs one plain sequential write of the same bytes, synced):",
-              "", "| round | shard writer MB/s | plain write MB/s | ratio |", "|---|---|---|---|"]
-    lines += [f"| {i} | {sink:.0f} | {plain:.0f} | {sink / plain:.3f} |" for i, (sink, plain) in enumerate(rates)]
+    lines += disk_section(rates)
     lines += ["", "Peak resident memory of the server's processes (MiB):", "", "| process | peak RSS |", "|---|---|"]
     lines += [f"| `{name}` | {mb:.0f} |" for name, mb in sorted(rss.items(), key=lambda kv: -kv[1])[:8]]
     return "\n".join(lines) + "\n"
+
+
+def disk_section(rates: list[tuple[float, float]]) -> list[str]:
+    lines = ["Disk, on the capture root (shard writer vs one plain sequential write of the same bytes, synced):",
+             "", "| round | shard writer MB/s | plain write MB/s | ratio |", "|---|---|---|---|"]
+    return lines + [f"| {i} | {sink:.0f} | {plain:.0f} | {sink / plain:.3f} |" for i, (sink, plain) in enumerate(rates)]
 
 
 def main() -> None:
@@ -216,6 +220,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--isolation", choices=("process", "thread"), help="both consumers' (default: each its own)")
     parser.add_argument("--disk-mb", type=int, default=2048, help="bytes per disk-rate round")
+    parser.add_argument("--disk-only", action="store_true", help="only the disk rates (no server)")
     parser.add_argument("--server-arg", action="append", default=[], help="passed to the server (repeatable)")
     parser.add_argument("--start-timeout", type=float, default=600)
     parser.add_argument("--phases", default=",".join(PHASES), help="which of the phases to run (plain always)")
@@ -231,6 +236,11 @@ def main() -> None:
     itemsize = dtype_size(config, args.server_arg)
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
+    if args.disk_only:
+        text = "\n".join(disk_section(disk_rates(workdir, args.disk_mb, hidden, layers, args.rounds))) + "\n"
+        Path(args.out).write_text(text)
+        print(text)
+        return
     root = workdir / "captures"
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     began = time.monotonic()

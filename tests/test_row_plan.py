@@ -1,3 +1,5 @@
+"""The row planner: which flat rows of a step each request's planned positions land on."""
+
 import numpy as np
 
 from vllm_interp.row_plan import BatchLayout, plan_reads

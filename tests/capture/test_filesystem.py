@@ -489,6 +489,18 @@ def test_a_write_cut_short_leaves_no_temp_file(tmp_path, monkeypatch):
     assert temp_files(tmp_path) == [] and visible_files(tmp_path) == []
 
 
+@pytest.mark.parametrize("layout", ["packed", "sharded"])
+def test_a_short_write_is_finished_rather_than_leaving_a_truncated_file(tmp_path, monkeypatch, layout):
+    """The kernel may take less than a write asks (Linux: at most 2 GiB a call): the rest is written too."""
+    real_write = os.write
+    monkeypatch.setattr(os, "write", lambda fd, data: real_write(fd, data[:50]))  # at most 50 bytes a call
+    consumer = make_consumer(tmp_path, layout=layout)
+    capture = make_capture(tag="t")
+    consumer.consume(capture)
+    consumer.close()
+    assert_same_tensors(read_capture(tmp_path, "t")[0], capture)
+
+
 def test_a_failed_shard_publish_keeps_the_buffer_for_a_retry(tmp_path, monkeypatch):
     consumer = make_consumer(tmp_path, layout="sharded")
     capture = make_capture()

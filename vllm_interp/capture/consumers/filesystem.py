@@ -527,12 +527,20 @@ def _safetensors_writer(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) 
 
     def write(tmp: Path) -> None:
         with open(tmp, "wb", buffering=0) as f:
-            f.write(struct.pack("<Q", len(text)) + text)
+            _write_all(f.fileno(), memoryview(struct.pack("<Q", len(text)) + text))
             for tensor in tensors.values():
                 if tensor.numel():
-                    f.write(memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy()))
+                    _write_all(f.fileno(), memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy()))
 
     return write
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    """Write all of ``data``: one ``write`` may take less than it is given (Linux takes at most 2 GiB a call,
+    and a capture's tensor may be larger), and a short write left unchecked is a silently truncated file."""
+    done = 0
+    while done < data.nbytes:
+        done += os.write(fd, data[done:])
 
 
 def _json_writer(record: dict[str, Any]) -> Callable[[Path], None]:
