@@ -291,6 +291,8 @@ def main() -> None:
                 print(f"round {round_index} {name}: ttft {fmt(stats.ttft_ms())} ms tpot {fmt(stats.tpot_ms(), 2)} ms "
                       f"last gap {fmt(stats.last_gap_ms())} ms "
                       f"{stats.throughput():.0f} tok/s errors {stats.errors}", flush=True)
+                for error in sorted({s.error for s in stats.samples if s.error is not None}):
+                    print(f"  error: {error}", flush=True)
         watch.stop.set()
     finally:
         stop_server(server)

@@ -64,7 +64,7 @@ class Sample:
     latency_s: float
     tokens: int
     error: str | None = None
-    # The gap before the last streamed text chunk: a capturing stream's finishing chunk is held until the
+    # The gap before the last streamed chunk: a capturing stream's finishing chunk is held until the
     # request's capture results come (they ride on it), so this is where result delivery shows.
     last_gap_s: float = 0.0
 
@@ -152,7 +152,9 @@ def completion(url: str, body: dict[str, Any]) -> Sample:
             event = msgspec.json.decode(line[6:])
             if "error" in event:
                 return Sample(None, 0.0, 0, str(event["error"])[:200])
-            if any(choice.get("text") for choice in event.get("choices") or []):
+            # Every chunk with a choice carries a token, even with no text (a random model's special tokens
+            # decode to ""; such a stream used to count as failed).
+            if event.get("choices"):
                 previous, last = last, arrived
                 first = first or last
         if first is None:
