@@ -242,6 +242,7 @@ def main() -> None:
         print(text)
         return
     root = workdir / "captures"
+    shutil.rmtree(root, ignore_errors=True)  # an earlier run's shards would count as this one's
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     began = time.monotonic()
     isolation = f",isolation={args.isolation}" if args.isolation else ""
