@@ -20,6 +20,9 @@
   ``--device cuda`` puts that table on the GPU (host time, uploads included).
 - A forward-like loop beside an ``inline`` consumer's runner thread busy with 32 requests: the interpreter
   lock's handoffs, with the forward gate open and closed (``capture.dispatch.FORWARD``).
+- Every-token capture of ``--requests`` requests at ``post_block`` of every layer to ``logging`` (packed) on a
+  CPU engine: the forward thread's capture work per decode step, and the time to every result when they all
+  end together.
 - One request's rows (512 positions) handed to an ``isolation=thread`` consumer: fresh memory against the
   reused block.
 
@@ -385,6 +388,40 @@ def copies_ms(args: argparse.Namespace) -> dict[str, tuple[float, float]]:
     return {name: (alone[name], beside[name]) for name in calls}
 
 
+def every_token_logging_ms(args: argparse.Namespace, steps: int = 256) -> dict[str, float]:
+    """``--requests`` requests capturing every position at ``post_block`` of every layer to ``logging`` (packed)
+    on a CPU engine: the forward thread's capture work per decode step (plan, the stand-in reads, collect: the
+    statistics and the landing, filing the landed step), over ``steps`` steps; then, all ending together, the
+    time until every result is in (finalizing on the forward thread, gathering and packing on the consumer's)."""
+    layers, hidden, count, prompt_len = args.layers, args.hidden, args.requests, 16
+    store = capture_store(layers, hidden)
+    spec = validate_capture_spec({"logging": {"hooks": {"post_block": "all"}, "positions": "all",
+                                              "format": "packed"}},
+                                 engine=EngineFacts(layers), consumers={"logging": LoggingConsumer})
+    ids = [f"req-{i}" for i in range(count)]
+    for i, req_id in enumerate(ids):
+        store.lookup(req_id, {EXTRA_ARGS_KEY: {"capture": spec_to_wire(spec), "capture_key": f"key-{i}"}},
+                     prompt_len)
+    rows = torch.randn(count, hidden)
+    try:
+        started = time.perf_counter()
+        for step_index in range(steps):
+            layout = BatchLayout.of(ids, np.arange(count + 1), np.full(count, prompt_len + step_index))
+            plan = store.plan_reads(layout)
+            reads = store.site_reads(plan, torch.device("cpu"), layout.total_tokens)
+            reads.out.update({site: rows for site in reads.sites})
+            store.collect(plan, reads)
+        per_step = (time.perf_counter() - started) / steps
+        lengths = {f"key-{i}": prompt_len + steps + 1 for i in range(count)}
+        started, answered = time.perf_counter(), {}
+        while len(answered) < count:
+            answered.update(store.results({k: n for k, n in lengths.items() if k not in answered}, wait_s=1.0))
+        return {"forward thread per decode step": per_step * 1e3,
+                f"every result after all {count} end": (time.perf_counter() - started) * 1e3}
+    finally:
+        store.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=64)
@@ -410,6 +447,10 @@ def main() -> None:
           "after it for the requests):")
     for what, (loop_ms, rest_ms) in beside_consumers_ms(args).items():
         print(f"  {what}: {loop_ms:.2f} / {rest_ms:.2f} ms")
+    print(f"Every-token capture of {args.requests} requests at post_block of {args.layers} layers to logging "
+          f"(packed), 256 decode steps:")
+    for what, value in every_token_logging_ms(args).items():
+        print(f"  {what}: {value:.2f} ms")
     print("One request's rows to an isolation=thread consumer that does nothing:")
     for what, value in in_thread_ms(args).items():
         print(f"  {what}: {value:.1f} ms")

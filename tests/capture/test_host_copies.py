@@ -1,9 +1,12 @@
-"""The pinned arena large blocks are copied into: a ring whose regions go back oldest first, which never
-hands out memory still in use and says when it has no room (the block then takes fresh pinned memory), as it
-does for good when the arena itself cannot be pinned."""
+"""How a step's read rows land in host memory: small blocks whole, large ones split per request; and the pinned
+arena large blocks are copied into: a ring whose regions go back oldest first, which never hands out memory
+still in use and says when it has no room (the block then takes fresh pinned memory), as it does for good when
+the arena itself cannot be pinned."""
 
+import numpy as np
 import torch
 
+from vllm_interp.capture import host_copies
 from vllm_interp.capture.host_copies import PinnedArena
 
 MIB = 1 << 20
@@ -65,3 +68,23 @@ def test_an_arena_that_cannot_be_pinned_leaves_every_block_to_fresh_pinned_memor
     assert ring.take(MIB) is None and ring.take(MIB) is None
     assert calls == [PinnedArena.SLOTS * MIB]  # tried once, not at every block
     assert "no pinned arena of 4 MiB" in caplog.text
+
+
+def test_a_cpu_engines_small_blocks_land_whole_and_large_ones_split_per_request():
+    """A small block is read through views (no copy on the forward thread; a request keeps at most
+    WHOLE_MAX_BYTES of others' rows alive); a large one is split into each request's own memory."""
+    splits = [(0, 1), (1, 3)]
+    small = torch.randn(2, 3, 4)
+    landed = host_copies.to_host(small, splits)
+    assert isinstance(landed, host_copies.WholeCopy) and landed.done()
+    assert landed.part(1).data_ptr() == small[:, 1:3].data_ptr()
+    assert np.shares_memory(landed.array_part(0), small.numpy())
+
+    hidden = host_copies.WHOLE_MAX_BYTES // (2 * 3 * 4) + 1
+    large = torch.randn(2, 3, hidden)
+    landed = host_copies.to_host(large, splits)
+    assert isinstance(landed, host_copies.SplitCopy) and landed.done()
+    for i, (start, stop) in enumerate(splits):
+        assert torch.equal(landed.part(i), large[:, start:stop])
+        assert not np.shares_memory(landed.array_part(i), large.numpy())
+    assert isinstance(host_copies.to_host(large, splits, whole=True), host_copies.WholeCopy)

@@ -1,8 +1,10 @@
 """The worker-side capture store without an engine: rows by position, finalizing, results."""
 
 import numpy as np
+import pytest
 import torch
 
+from vllm_interp.capture import host_copies
 from vllm_interp.capture import store as store_module
 from vllm_interp.capture.consumer import ConsumerContext, EngineFacts
 from vllm_interp.capture.consumers.inline import InlineConsumer, ResidualReadout
@@ -31,6 +33,15 @@ class InlineInParts(InlineConsumer):
     @classmethod
     def merge_parts(cls, results: list[dict]) -> dict:
         return {"parts": results}
+
+
+@pytest.fixture(autouse=True, params=["small_blocks_whole", "every_block_split"])
+def block_landing(request, monkeypatch) -> str:
+    """Every test both ways: these blocks are small, so they land whole (views per request), as on an engine;
+    and with every block split per request, as large blocks land (``host_copies.to_host``)."""
+    if request.param == "every_block_split":
+        monkeypatch.setattr(host_copies, "WHOLE_MAX_BYTES", -1)
+    return request.param
 
 
 def make_store(consumers: tuple[str, ...] = ("inline",), graph_read_rows: int = 0,
@@ -197,7 +208,7 @@ def test_requests_whose_positions_are_all_computed_leave_the_planning_set():
     store.close()
 
 
-def test_a_prompt_capture_goes_to_its_consumer_when_its_last_rows_land():
+def test_a_prompt_capture_goes_to_its_consumer_when_its_last_rows_land(block_landing):
     """A request that read its last prompt rows ends with that step: its consumer has it before the request
     finishes generating, and a step whose readers all end lands whole (no copy per request)."""
     store = make_store()
@@ -210,7 +221,7 @@ def test_a_prompt_capture_goes_to_its_consumer_when_its_last_rows_land():
     store.collect(plan, reads)
     assert not store.capturing  # both ended: no step plans reads any more
     (landed,) = store._pending
-    assert isinstance(landed.rows, store_module.WholeCopy)
+    assert isinstance(landed.rows, host_copies.WholeCopy)
     # Neither finished (no ``finish``, no final length): asking without waiting finds both handed on.
     results = store.results({"a": 9, "b": 9}, wait_s=5)
     rows = {key: ResidualReadout.from_result(results[key]["inline"]["result"]) for key in ("a", "b")}
@@ -219,19 +230,21 @@ def test_a_prompt_capture_goes_to_its_consumer_when_its_last_rows_land():
     torch.testing.assert_close(rows["b"]["1.post_block"], stream[4:5], rtol=0, atol=0)
     store.finish({"a", "b"})  # the scheduler's finish later finds nothing left to do
     assert store.results({"a": 9}, wait_s=0) == {"a": {}}
-    # A step that an open-ended reader shares lands split, so that the reader keeps no other's rows alive.
+    # A large step that an open-ended reader shares lands split, so that the reader keeps no other's rows alive
+    # (a small one lands whole: a reader keeps at most WHOLE_MAX_BYTES of them).
     store.lookup("c", extra_args("c", "last_prompt"), prompt_len=1)
     store.lookup("d", extra_args("d", "all"), prompt_len=1)
     plan = store.plan_reads(BatchLayout.of(["c", "d"], np.array([0, 1, 2]), np.array([0, 0])))
     reads = store.site_reads(plan, torch.device("cpu"), 0)
     reads.out[(1, 2)] = stream[:2]
     store.collect(plan, reads)
-    assert isinstance(store._pending[-1].rows, store_module.SplitCopy)
+    split = block_landing == "every_block_split"
+    assert isinstance(store._pending[-1].rows, host_copies.SplitCopy if split else host_copies.WholeCopy)
     assert store.reading_ids == {"d"}
     store.close()
 
 
-def test_requests_of_one_step_wanting_different_sites_get_their_own_rows():
+def test_requests_of_one_step_wanting_different_sites_get_their_own_rows(block_landing):
     """A step's block holds the union of its requests' sites; each request's rows are picked out of it (off
     the forward path, when its consumer runs), across steps whose site sets differ."""
     store = make_store()
@@ -248,11 +261,15 @@ def test_requests_of_one_step_wanting_different_sites_get_their_own_rows():
             reads.out[site] = streams[site][step_index].index_select(0, reads.rows)
         store.collect(plan, reads)
     store._drain()
-    # Each request holds its own copy of a shared step's rows, and the step none: a long request keeps no
-    # other's rows alive.
     (wide_step, _, wide_own), (narrow_step, _, narrow_own) = (store._entries[r].chunks[0] for r in ("wide", "narrow"))
-    assert wide_step is narrow_step and wide_step.rows is None
-    assert wide_own[None].untyped_storage().data_ptr() != narrow_own[None].untyped_storage().data_ptr()
+    assert wide_step is narrow_step
+    if block_landing == "every_block_split":
+        # Each request holds its own copy of a shared step's rows, and the step none: a long request keeps no
+        # other's rows alive.
+        assert wide_step.rows is None
+        assert wide_own[None].untyped_storage().data_ptr() != narrow_own[None].untyped_storage().data_ptr()
+    else:  # a small block stays whole with the step, and each request reads its view of it
+        assert isinstance(wide_step.rows, host_copies.WholeCopy) and wide_own is None and narrow_own is None
     store.finish({"wide", "narrow"})
     wide_rows = ResidualReadout.from_result(store.results({"w": 1}, wait_s=5)["w"]["inline"]["result"])
     narrow_rows = ResidualReadout.from_result(store.results({"n": 2}, wait_s=5)["n"]["inline"]["result"])

@@ -7,15 +7,16 @@ block's device memory goes back to the stream's pool at once (later kernels of t
 The store polls the events at later steps, on the forward thread, and lands each copy that has completed
 (waiting for one only when a caller that may wait asks for a request's rows):
 
-- ``WholeCopy`` lands in ordinary memory as a whole, in one copy; a request's rows are views of it, taken where
-  they are gathered. For blocks up to ``WHOLE_MAX_BYTES`` on the GPU (every-token statistics to ``logging`` on an H100:
-  decode steps 1.04x plain; benchmarks/results/bulk-capture-gpu-2026-11-27.md), and for blocks of any size
-  whose readers all read their last rows in the step (``last_prompt`` captures): those are handed to their
-  consumers as soon as the step lands, so the block is let go within a few steps.
-- ``SplitCopy`` (the other blocks: larger ones on the GPU, all of them on a CPU engine) lands split into each
-  request's own rows, so that a long request never keeps the others' rows alive. Splitting costs a copy per
-  request into fresh memory on the forward thread: a ``last_prompt`` prefill step of 32 requests at 48 sites
-  took 2.3-3.3 ms of it on an H200 host.
+- ``WholeCopy`` lands in ordinary memory as a whole, in one copy (on a CPU engine, none: the block is its own
+  memory already); a request's rows are views of it, taken where they are gathered. For blocks up to
+  ``WHOLE_MAX_BYTES`` (every-token statistics to ``logging`` on an H100: decode steps 1.04x plain;
+  benchmarks/results/bulk-capture-gpu-2026-11-27.md; on the dev CPU, splitting such blocks cost the forward
+  thread 0.23 ms of a 64-request decode step), and for blocks of any size whose readers all read their last
+  rows in the step (``last_prompt`` captures): those are handed to their consumers as soon as the step lands,
+  so the block is let go within a few steps.
+- ``SplitCopy`` (the larger blocks) lands split into each request's own rows, so that a long request never
+  keeps the others' rows alive. Splitting costs a copy per request into fresh memory on the forward thread: a
+  ``last_prompt`` prefill step of 32 requests at 48 sites took 2.3-3.3 ms of it on an H200 host.
 
 Blocks over ``PINNED_CACHED_MAX_BYTES`` are copied into ``PinnedArena``, pinned memory kept for them and used
 as a ring, rather than into fresh pinned memory each time.
@@ -245,10 +246,7 @@ def as_array(tensor: torch.Tensor) -> np.ndarray:
 
 def to_host(block: torch.Tensor, splits: list[tuple[int, int]], whole: bool = False) -> SplitCopy | WholeCopy:
     """``block`` on its way to host memory, split by ``splits``: landed whole when ``whole`` (its readers let go
-    of it soon); else landed split at once on the CPU, and on the GPU copied without waiting, to land whole when
-    small and split per request when large."""
-    if whole:
+    of it soon) or small; else split per request, at once on the CPU, and on the GPU once its copy has landed."""
+    if whole or _nbytes(block) <= WHOLE_MAX_BYTES:
         return WholeCopy(block, splits)
-    if not block.is_cuda:
-        return SplitCopy.landed(block, splits)
-    return WholeCopy(block, splits) if _nbytes(block) <= WHOLE_MAX_BYTES else SplitCopy(splits, block)
+    return SplitCopy(splits, block) if block.is_cuda else SplitCopy.landed(block, splits)
