@@ -227,10 +227,11 @@ def main() -> None:
     parser.add_argument("--py-spy", default=None, help="py-spy binary: sample the engine core in capturing phases")
     parser.add_argument("--torch-profile", action="store_true", help="device time per step of each phase, by kernel")
     args = parser.parse_args()
-    unknown = set(args.phases.split(",")) - set(PHASES)
+    asked = args.phases.split(",")
+    unknown = set(asked) - set(PHASES)
     if unknown:
         parser.error(f"--phases: unknown {sorted(unknown)} (known: {', '.join(PHASES)})")
-    phase_names = [name for name in PHASES if name == "plain" or name in args.phases.split(",")]
+    phase_names = [name for name in PHASES if name == "plain" or name in asked]
     config = json.loads((Path(args.model) / "config.json").read_text())
     layers, hidden, vocab = config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]
     itemsize = dtype_size(config, args.server_arg)
