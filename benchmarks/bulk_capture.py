@@ -33,7 +33,6 @@ profiler slows the steps it records: that run's throughput figures are not compa
 
 import argparse
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -48,6 +47,7 @@ import psutil
 import torch
 
 from benchmarks import step_profile
+from benchmarks.consumer_handoff import plain_write_mb_s
 from benchmarks.serve import RESULTS_METRICS, RunStats, column_medians, fmt, gpu_card, ratio, run_requests
 from benchmarks.serving import VLLM_INTERP_MODULE, launch_server, server_rss_mb, stop_server, wait_healthy
 from vllm_interp.capture.consumer import CaptureMeta, ConsumerContext, RequestCapture
@@ -127,6 +127,9 @@ def shard_bytes(root: Path) -> int:
     return sum(p.stat().st_size for p in (root / "shards").glob("shard-*.safetensors"))
 
 
+PLAIN_CHUNK = 64 << 20  # the plain write's bytes per call
+
+
 def disk_rates(root: Path, total_mb: int, hidden: int, layers: int, rounds: int) -> list[tuple[float, float]]:
     """(sink MB/s, plain MB/s) per round on ``root``'s disk: the sharded filesystem consumer writing captures of
     256 positions x ``layers`` sites against one sequential write of the same bytes, both synced."""
@@ -147,14 +150,9 @@ def disk_rates(root: Path, total_mb: int, hidden: int, layers: int, rounds: int)
         consumer.close()
         sink_s = time.perf_counter() - started
         written = shard_bytes(directory / "sink")
-        block = bytearray(64 << 20)
-        started = time.perf_counter()
-        with open(directory / "plain.bin", "wb", buffering=0) as f:
-            for _ in range(-(-written // len(block))):
-                f.write(block)
-            os.fsync(f.fileno())
-        plain_s = time.perf_counter() - started
-        rates.append((written / sink_s / 1e6, -(-written // len(block)) * len(block) / plain_s / 1e6))
+        chunk = memoryview(bytearray(PLAIN_CHUNK))
+        plain = plain_write_mb_s(str(directory), -(-written // PLAIN_CHUNK) * PLAIN_CHUNK, chunk)
+        rates.append((written / sink_s / 1e6, plain))
         shutil.rmtree(directory)
     return rates
 
