@@ -43,14 +43,15 @@ def test_a_block_is_never_given_memory_another_holds():
     generator = torch.Generator().manual_seed(0)
     ring.take(8 * MIB)[1]()  # sizes the arena: 32 MiB
     for step in range(200):
-        nbytes = int(torch.randint(1, 6 * MIB, (1,), generator=generator))
+        nbytes = int(torch.randint(1, 10 * MIB, (1,), generator=generator))
         taken = ring.take(nbytes)
         if taken is not None:
             memory, give_back = taken
             memory.fill_(step % 251)
             held[step] = (memory, give_back, step % 251)
-        # Blocks land in order: the oldest goes back first, a step or two later.
-        while held and (len(held) > 2 or taken is None):
+        # Blocks land in order: the oldest goes back first, a few steps later (enough held at once that the
+        # ring runs full and wraps).
+        while held and (len(held) > 4 or taken is None):
             oldest = min(held)
             memory, give_back, value = held.pop(oldest)
             assert bool((memory == value).all()), f"block of step {oldest} was overwritten"
