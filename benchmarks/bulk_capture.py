@@ -22,9 +22,9 @@ resident memory, and, on the capture root's disk, the rate of the sink's own sha
 sequential write of the same bytes (A B A B, each synced to disk); ``--disk-only`` measures only that, without a
 server.
 
-``--py-spy PATH`` (a py-spy binary) samples the engine core's threads and its children's (a consumer's own
-process) during each capturing phase, idle time included, into ``py-spy-<round>-<phase>.txt`` beside
-``--out`` (collapsed stacks, one line per distinct stack).
+``--py-spy PATH`` (a py-spy binary) samples every thread of the server's processes (the API server, the engine
+core, a consumer's own process) during each phase, plain included, idle time included, into
+``py-spy-<round>-<phase>.txt`` beside ``--out`` (collapsed stacks, one line per distinct stack).
 
 ``--torch-profile`` runs vLLM's torch profiler over a window of decode steps of every phase, plain included
 (``benchmarks/step_profile.py``), and adds each phase's device time per step, by kernel, to the report. The
@@ -88,16 +88,12 @@ class RssWatch(threading.Thread):
                 self.peak[name] = max(self.peak.get(name, 0.0), mb)
 
 
-class EngineSampler:
-    """py-spy sampling the engine core and its children while a phase runs: ``start`` before it, ``stop`` after."""
+class ServerSampler:
+    """py-spy sampling a server's whole process tree (the API server, the engine core, a consumer's own
+    process) while a phase runs: ``start`` before it, ``stop`` after."""
 
     def __init__(self, binary: str, server_pid: int, out_dir: Path) -> None:
-        self.binary, self.out_dir = binary, out_dir
-        cores = [p for p in psutil.Process(server_pid).children(recursive=True) if "EngineCore" in p.name()
-                 or any("EngineCore" in part for part in p.cmdline()[:1])]
-        if not cores:
-            raise RuntimeError("py-spy: no EngineCore process under the server")
-        self.pid = cores[0].pid
+        self.binary, self.pid, self.out_dir = binary, server_pid, out_dir
         self._process: subprocess.Popen | None = None
 
     def start(self, label: str) -> None:
@@ -222,7 +218,7 @@ def main() -> None:
     parser.add_argument("--server-arg", action="append", default=[], help="passed to the server (repeatable)")
     parser.add_argument("--start-timeout", type=float, default=600)
     parser.add_argument("--phases", default=",".join(PHASES), help="which of the phases to run (plain always)")
-    parser.add_argument("--py-spy", default=None, help="py-spy binary: sample the engine core in capturing phases")
+    parser.add_argument("--py-spy", default=None, help="py-spy binary: sample the server's processes in every phase")
     parser.add_argument("--torch-profile", action="store_true", help="device time per step of each phase, by kernel")
     args = parser.parse_args()
     asked = args.phases.split(",")
@@ -260,7 +256,7 @@ def main() -> None:
         watch = RssWatch(server.pid)
         watch.start()
         rng = torch.Generator().manual_seed(0)
-        sampler = EngineSampler(args.py_spy, server.pid, Path(args.out).parent) if args.py_spy else None
+        sampler = ServerSampler(args.py_spy, server.pid, Path(args.out).parent) if args.py_spy else None
 
         def body(capture: dict[str, Any] | None) -> dict[str, Any]:
             prompt = torch.randint(100, vocab - 100, (args.prompt_tokens,), generator=rng).tolist()
@@ -273,13 +269,13 @@ def main() -> None:
             for name in phase_names:
                 capture = CAPTURES.get(name)
                 bodies = [body(capture) for _ in range(args.requests)]
-                if sampler and capture:
+                if sampler:
                     sampler.start(f"{round_index}-{name}")
                 if args.torch_profile:
                     since = time.time()
                     step_profile.post(url, "/start_profile")
                 stats = run_requests(url, bodies, args.concurrency)
-                if sampler and capture:
+                if sampler:
                     sampler.stop()
                 if args.torch_profile:
                     step_profile.post(url, "/stop_profile")

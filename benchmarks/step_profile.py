@@ -39,27 +39,41 @@ def traces_since(directory: Path, since: float) -> list[Path]:
                   and (p.name.endswith(".json") or p.name.endswith(".json.gz")))
 
 
+def span_note(spans: list[float], busy_total: float) -> str:
+    """The window's wall time per step on the device's clock, and the busy share of it: a step whose device
+    busy time is unchanged but whose span grew lost the difference on the host."""
+    if not spans:
+        return ""
+    span = sum(spans) / len(spans)
+    return f"; span {span / WINDOW_STEPS:.0f} us per step, busy {busy_total / len(spans) / span:.2f} of it"
+
+
 def summarise(traces: list[Path], label: str) -> str:
     """The device's busy time per profiled step in ``traces``, and its largest items, as Markdown."""
     if not traces:
         return f"### {label}\n\nno trace was written\n"
     busy: Counter[str] = Counter()
     cpu_ops: Counter[str] = Counter()
+    spans: list[float] = []  # each trace's first device event's start to its last one's end, us
     for trace in traces:
         opener = gzip.open if trace.name.endswith(".gz") else open
         with opener(trace, "rt") as f:
             events = json.load(f).get("traceEvents", [])
+        device_times = []
         for event in events:
             if event.get("ph") != "X":
                 continue
             if event.get("cat") in DEVICE_CATEGORIES:
                 busy[event.get("name", "?")[:90]] += event.get("dur", 0)
+                device_times.append((event.get("ts", 0), event.get("ts", 0) + event.get("dur", 0)))
             elif event.get("cat") == "cpu_op":
                 cpu_ops[event.get("name", "?")[:90]] += event.get("dur", 0)
+        if device_times:
+            spans.append(max(end for _, end in device_times) - min(start for start, _ in device_times))
     what, items = ("device", busy) if busy else ("CPU operators (no device events)", cpu_ops)
     total = sum(items.values())
     lines = [f"### {label}", "", f"{len(traces)} trace(s); {what}: {total / WINDOW_STEPS:.0f} us per profiled step "
-             f"({WINDOW_STEPS} steps)", "", "| item | us per step | share |", "|---|---|---|"]
+             f"({WINDOW_STEPS} steps)" + span_note(spans, total), "", "| item | us per step | share |", "|---|---|---|"]
     for name, duration in items.most_common(TOP_ITEMS):
         lines.append(f"| `{name}` | {duration / WINDOW_STEPS:.1f} | {duration / total:.3f} |")
     return "\n".join(lines) + "\n"

@@ -6,7 +6,7 @@ import torch
 
 from vllm_interp.capture import host_copies
 from vllm_interp.capture import store as store_module
-from vllm_interp.capture.consumer import ConsumerContext, EngineFacts
+from vllm_interp.capture.consumer import ConsumerContext, EngineFacts, RowReduction
 from vllm_interp.capture.consumers.inline import InlineConsumer, ResidualReadout
 from vllm_interp.capture.consumers.logging import LoggingConsumer
 from vllm_interp.capture.dispatch import ConsumerRunner
@@ -75,6 +75,17 @@ def step(store: CaptureStore, req_id: str, start: int, tokens: int, stream: torc
         return
     reads.out[(1, 2)] = stream.index_select(0, reads.rows)  # what the site op at 1.post_block would hand back
     store.collect(plan, reads)
+
+
+def test_each_row_reduction_runs_once_when_the_store_is_made(monkeypatch):
+    """A reduction's first call may build a kernel (Triton on a GPU): the store makes that call at start-up, on
+    a row of the model's width and dtype, not in the first step that captures."""
+    calls = []
+    recording = RowReduction("recorded", 1, lambda rows: calls.append((rows.shape, rows.dtype)) or rows[..., :1])
+    monkeypatch.setattr(InlineConsumer, "row_reduction", recording)
+    store = make_store(consumers=("inline",))
+    assert calls == [(torch.Size([1, HIDDEN]), torch.float32)]
+    store.close()
 
 
 def test_a_step_arms_the_graph_read_buffers_and_clears_what_the_last_one_set():

@@ -252,6 +252,16 @@ class CaptureStore:
         self._site_index: dict[tuple[tuple[int, int], ...], tuple[torch.Tensor, torch.Tensor]] = {}
         # Steps that read rows, by how the sites read them: inside a replayed CUDA graph, or eagerly.
         self.read_steps = {"graph": 0, "eager": 0}
+        self._warm_reductions()
+
+    def _warm_reductions(self) -> None:
+        """Run each consumer's row reduction once on a row of the model's width and dtype. Its first call may
+        build a kernel (``logging``'s statistics: Triton compiles one, about 0.4 s of an H200 host's forward
+        thread, during which no step runs): at start-up, not in the first step that captures."""
+        table = self.bank.steer_table
+        row = torch.zeros(1, table.shape[-1], dtype=table.dtype, device=table.device)
+        for reduction in {runner.row_reduction for runner in self.consumers.values()} - {None}:
+            reduction.reduce(row)
 
     # -- planning ---------------------------------------------------------------------------------------
     def lookup(self, req_id: str, extra_args: dict[str, Any] | None, prompt_len: int) -> _Entry | None:
