@@ -8,6 +8,7 @@ rows the plan does not name (other requests, padding) are never read.
 
 from collections.abc import Container, Mapping
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -68,12 +69,19 @@ class ReadPlan:
     def num_rows(self) -> int:
         return int(self.rows.shape[0])
 
+    @cached_property
+    def _bounds(self) -> list[int]:
+        # Python ints: a request's rows are gathered from one slice per step it read in (512 for an every-token
+        # request of 512 positions), and indexing the array for each bound costs several times more.
+        return self.slot_starts.tolist()
+
     def positions_of(self, k: int) -> np.ndarray:
-        return self.positions[self.slot_starts[k] : self.slot_starts[k + 1]]
+        bounds = self._bounds
+        return self.positions[bounds[k] : bounds[k + 1]]
 
     def splits(self) -> list[tuple[int, int]]:
         """Each reading request's ``(first slot, end slot)``, in ``req_ids`` order."""
-        bounds = self.slot_starts.tolist()
+        bounds = self._bounds
         return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 

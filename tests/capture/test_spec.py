@@ -92,7 +92,7 @@ def test_select_on_a_chunk():
 )
 def test_expected_positions(positions, num_computed, expected):
     spec = ConsumerSpec(positions=positions)
-    assert spec.expected_positions(prompt_len=5, num_computed=num_computed) == expected
+    assert spec.expected_positions(prompt_len=5, num_computed=num_computed).tolist() == expected
 
 
 def test_default_positions_is_last_prompt():

@@ -111,6 +111,22 @@ def test_a_step_arms_the_graph_read_buffers_and_clears_what_the_last_one_set():
     store.close()
 
 
+EVERY_SITE = tuple((layer, hook) for layer in (0, 1) for hook in range(3))
+
+
+@pytest.mark.parametrize("sites", [((0, 2), (1, 2)), ((1, 1),), EVERY_SITE, ((0, 0), (1, 2)), ((0, 1), (0, 2))])
+def test_a_replayed_steps_rows_come_from_the_graph_read_buffers_at_their_sites(sites):
+    """One hook of consecutive layers and every hook of them are views of the buffers, other sets gathered:
+    each the ``[sites, rows, hidden]`` block of those sites, in their order."""
+    store = make_store(graph_read_rows=3)
+    out = store.bank.read_out
+    out.copy_(torch.arange(out.numel(), dtype=out.dtype).reshape(out.shape))
+    expected = torch.stack([out[layer, hook, :2] for layer, hook in sites])
+    assert torch.equal(store._graph_block(sites, 2), expected)
+    assert torch.equal(store._graph_block(sites, 2), expected)  # the reader is kept for the next step
+    store.close()
+
+
 def test_rows_by_position_across_chunks_and_a_recompute():
     store = make_store()
     store.lookup("r", extra_args("k", "all"), prompt_len=5)

@@ -137,10 +137,10 @@ class ConsumerSpec(BaseModel):
             case explicit:
                 return max(explicit)
 
-    def expected_positions(self, prompt_len: int, num_computed: int) -> list[int]:
-        """Positions captured once ``num_computed`` tokens of the sequence went through the model."""
-        computed = np.arange(num_computed)
-        return computed[self.select(computed, prompt_len)].tolist()
+    def expected_positions(self, prompt_len: int, num_computed: int) -> np.ndarray:
+        """Positions captured once ``num_computed`` tokens of the sequence went through the model, ascending."""
+        computed = np.arange(num_computed, dtype=np.int64)
+        return computed[self.select(computed, prompt_len)]
 
     def needs_prompt_prefix(self, prompt_len: int) -> bool:
         """Whether the spec captures prompt positions before the last one: those may be served from the

@@ -102,13 +102,43 @@ class _Entry:
         return np.logical_or.reduce(masks)
 
 
-def _columns(chunks: list["_Chunk"]) -> tuple[dict[int, int], int]:
-    """Each position's column in the chunks laid end to end (the latest copy of a position computed twice),
-    and how many columns they hold."""
-    if not chunks:
-        return {}, 0
-    positions = np.concatenate([step.plan.positions_of(k) for step, k, _ in chunks]).tolist()
-    return {position: column for column, position in enumerate(positions)}, len(positions)
+@dataclass(frozen=True)
+class _Columns:
+    """Where a request's positions are in its chunks' rows laid end to end: ``positions`` ascending, each one's
+    ``column`` (the latest copy of a position computed twice, after preemption), ``count`` columns in all.
+    Numpy throughout: an every-token request has a column per position, and 64 of them finishing together
+    took the forward thread about 16 ms with a dictionary per request (dev CPU, 512 positions)."""
+
+    positions: np.ndarray
+    column: np.ndarray
+    count: int
+
+    @classmethod
+    def of(cls, chunks: list["_Chunk"]) -> "_Columns":
+        if not chunks:
+            return cls(np.empty(0, np.int64), np.empty(0, np.int64), 0)
+        laid = np.concatenate([step.plan.positions_of(k) for step, k, _ in chunks])
+        # np.unique's index is each value's first occurrence: in the reversed array, its latest copy.
+        positions, from_end = np.unique(laid[::-1], return_index=True)
+        return cls(positions, len(laid) - 1 - from_end, len(laid))
+
+    def held(self, wanted: np.ndarray) -> np.ndarray:
+        """Which of ``wanted`` (ascending) the chunks hold (a mask)."""
+        if not self.count:
+            return np.zeros(len(wanted), dtype=bool)
+        at = np.minimum(np.searchsorted(self.positions, wanted), len(self.positions) - 1)
+        return self.positions[at] == wanted
+
+    def columns_of(self, wanted: np.ndarray) -> np.ndarray:
+        """The columns of ``wanted`` positions, every one of which the chunks hold."""
+        return self.column[np.searchsorted(self.positions, wanted)]
+
+
+def _among(positions: np.ndarray, handed: set[int]) -> np.ndarray:
+    """Which of ``positions`` were handed on in parts already (a mask)."""
+    if not handed:
+        return np.zeros(len(positions), dtype=bool)
+    return np.isin(positions, np.fromiter(handed, dtype=np.int64, count=len(handed)))
 
 
 # A request's sites, per distinct request spec (most requests of a workload want the same sites): its admission,
@@ -122,6 +152,12 @@ def _held_sites(site_lists: tuple[tuple[tuple[int, str], ...], ...],
 
 
 @lru_cache(maxsize=1024)
+def _interned(sites: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+    """One tuple object for every step that reads these sites (``_gather`` tells them apart by identity)."""
+    return sites
+
+
+@lru_cache(maxsize=1024)
 def _site_set(sites: tuple[tuple[int, int], ...]) -> frozenset[tuple[int, int]]:
     return frozenset(sites)
 
@@ -131,7 +167,7 @@ def _site_names(sites: tuple[tuple[int, int], ...], naming: str) -> tuple[str, .
     return tuple(site_name(layer, HOOKS[hook], naming) for layer, hook in sites)
 
 
-def _gather(chunks: list["_Chunk"], sites: list[tuple[int, int]], columns: list[int] | None,
+def _gather(chunks: list["_Chunk"], sites: list[tuple[int, int]], columns: np.ndarray | None,
             block: torch.Tensor, reduction: RowReduction | None) -> None:
     """Write ``sites`` x the chunks' ``columns`` (all, in order, when None) of their rows (or of their
     ``reduction``) into ``block``: on a consumer's runner thread, off the forward path. An every-token request
@@ -142,15 +178,18 @@ def _gather(chunks: list["_Chunk"], sites: list[tuple[int, int]], columns: list[
     36-44 ms beside a busy thread; torch 2.0-2.3 and 2.2-4.4; ``benchmarks/host_costs.py``)."""
     if not block.numel():
         return  # no positions (or no sites) captured
-    picks: dict[tuple, np.ndarray | None] = {}
+    # Each distinct site tuple's pick, by identity: steps reading the same sites share one tuple (``_interned``),
+    # and hashing a tuple of sites anew for each of 512 chunks cost more than the rest of the loop.
+    picks: dict[int, np.ndarray | None] = {}
     parts = []
     for step, k, own in chunks:
-        if step.sites not in picks:
+        key = id(step.sites)
+        if key not in picks:
             where = {site: i for i, site in enumerate(step.sites)}
             index = [where[site] for site in sites]
-            picks[step.sites] = None if index == list(range(len(step.sites))) else np.array(index)
+            picks[key] = None if index == list(range(len(step.sites))) else np.array(index)
         copy = own[reduction] if own is not None and reduction in own else step.copy(reduction)
-        parts.append((copy, k, picks[step.sites]))
+        parts.append((copy, k, picks[key]))
     if reduction is not None:
         arrays = [_part_array(copy, k) if pick is None else _part_array(copy, k)[pick] for copy, k, pick in parts]
         out = as_array(block)
@@ -173,7 +212,7 @@ def _gather(chunks: list["_Chunk"], sites: list[tuple[int, int]], columns: list[
     if columns is None:
         block.copy_(rows)
     else:
-        torch.index_select(rows, 1, torch.tensor(columns), out=block)
+        torch.index_select(rows, 1, torch.from_numpy(columns), out=block)
 
 
 def _part_tensor(source: torch.Tensor | SplitCopy | WholeCopy, k: int) -> torch.Tensor:
@@ -247,9 +286,10 @@ class CaptureStore:
         self._filed = 0  # steps filed so far: every step with a smaller serial has landed
         self._ending: dict[str, _Entry] = {}  # ended, waiting for the copies of their steps to land
         self._armed_rows: torch.Tensor | None = None  # graph read buffer entries the last step set
+        self._last_rows: tuple[np.ndarray, torch.Tensor] | None = None  # the last planned rows, and on the device
         self._armed_sites: frozenset[tuple[int, int]] = frozenset()  # the sites the graph read flags name
         self._read_slots = torch.arange(bank.graph_read_rows, device=bank.read_slot.device)  # each read row's slot
-        self._site_index: dict[tuple[tuple[int, int], ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._site_index: dict[tuple[tuple[int, int], ...], Callable[[int], torch.Tensor]] = {}  # _graph_block
         # Steps that read rows, by how the sites read them: inside a replayed CUDA graph, or eagerly.
         self.read_steps = {"graph": 0, "eager": 0}
         self._warm_reductions()
@@ -355,10 +395,22 @@ class CaptureStore:
         # eager execution as the others do) but reads nothing.
         # Requests of a step mostly want the same sites: the union of the distinct sets, not of every request's.
         sites = frozenset().union(*{self._entries[req_id].site_set for req_id in plan.req_ids})
-        reads = StepReads(to_device(plan.rows, device), sites) if sites else None
+        reads = StepReads(self._device_rows(plan.rows, device), sites) if sites else None
         if self.bank.graph_read_rows and step_tokens <= self.max_graph_tokens:
             self._arm_graph_reads(reads if reads is not None and self.fits_graph(plan.num_rows) else None)
         return reads
+
+    def _device_rows(self, rows: np.ndarray, device: torch.device) -> torch.Tensor:
+        """``rows`` on the device: the last step's tensor when they are the same rows (decode steps of a steady
+        batch are), so such a step uploads nothing and its graph read buffers stay armed as they are. Each
+        torch call on an H200 host's loaded forward thread costs tens of microseconds, and an every-token decode
+        step at serving speed lasts 3-4 ms."""
+        last = self._last_rows
+        if last is not None and np.array_equal(last[0], rows):
+            return last[1]
+        uploaded = to_device(rows, device)
+        self._last_rows = (rows, uploaded)
+        return uploaded
 
     def fits_graph(self, num_rows: int) -> bool:
         """Whether a step reading ``num_rows`` rows may replay CUDA graphs (the same answer on every rank)."""
@@ -369,12 +421,13 @@ class CaptureStore:
         bank = self.bank
         # Tensor methods, not indexed assignment: Python's indexing path cost about 80 us a decode step of an
         # H200 host's forward thread for these two writes (py-spy).
-        if self._armed_rows is not None:
-            bank.read_slot.index_fill_(0, self._armed_rows, -1)
-            self._armed_rows = None
-        if reads is not None:
-            bank.read_slot.index_copy_(0, reads.rows, self._read_slots[: len(reads.rows)])
-            self._armed_rows = reads.rows
+        rows = reads.rows if reads is not None else None
+        if rows is not self._armed_rows:  # the same tensor: the same rows are armed already
+            if self._armed_rows is not None:
+                bank.read_slot.index_fill_(0, self._armed_rows, -1)
+            if rows is not None:
+                bank.read_slot.index_copy_(0, rows, self._read_slots[: len(rows)])
+            self._armed_rows = rows
         sites = reads.sites if reads is not None else frozenset()
         if sites != self._armed_sites:  # steps of one workload mostly read the same sites: no upload then
             flags = np.zeros(tuple(bank.read_flags.shape), dtype=np.int32)
@@ -389,12 +442,11 @@ class CaptureStore:
         self._drain(needed=())  # file earlier steps' copies that have landed
         self.read_steps["eager" if reads.out else "graph"] += 1
         if reads.out:  # the step ran eagerly: the op handed its rows over
-            sites = sorted(reads.out)
+            sites = _interned(tuple(sorted(reads.out)))
             block = torch.stack([reads.out[site] for site in sites])
         else:  # a graph replay read into the buffers the rows were armed in
-            sites = sorted(reads.sites)
-            layers, hooks = self._graph_site_index(tuple(sites))
-            block = self.bank.read_out[layers, hooks, : len(reads.rows)]
+            sites = _interned(tuple(sorted(reads.sites)))
+            block = self._graph_block(sites, len(reads.rows))
         splits = plan.splits()
         # A request finalized since the step was planned files nothing (``_file``).
         entries = [entry for req_id in plan.req_ids if (entry := self._entries.get(req_id)) is not None]
@@ -410,19 +462,34 @@ class CaptureStore:
         whole = len(ending) == len(entries)
         # Whole rows leave the device only when some request takes them; summaries are reduced here, on it.
         rows = to_host(block, splits, whole) if any(e.wants_rows for e in entries) else None
-        reductions = frozenset().union(*(e.reductions for e in entries))
+        reductions = frozenset().union(*{e.reductions for e in entries})  # of the distinct sets: one, mostly
         reduced = {r: to_host(r.reduce(block), splits, whole) for r in reductions}
-        self._pending.append(_StepRows(rows, reduced, tuple(sites), plan))
+        self._pending.append(_StepRows(rows, reduced, sites, plan))
 
-    def _graph_site_index(self, sites: tuple[tuple[int, int], ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(buffer layer index, hook) of these sites on the device, uploaded once per set of sites."""
+    def _graph_block(self, sites: tuple[tuple[int, int], ...], num_rows: int) -> torch.Tensor:
+        """``[sites, num_rows, hidden]``: the rows a replayed step read into the graph read buffers. Sites that
+        are one hook of consecutive layers, or every hook of them (every-token workloads), are a view of the
+        buffers: no index tensors, no gathering kernel (the step's readers copy or reduce it on the same stream,
+        before the next replay writes the buffers). Other sets are gathered, their index uploaded once."""
         if sites not in self._site_index:
             if len(self._site_index) >= 64:  # requests may want any set of sites: keep the recent ones
                 self._site_index.clear()
-            bank, device = self.bank, self.bank.read_out.device
-            self._site_index[sites] = (to_device(np.array([bank.layer_index[layer] for layer, _ in sites]), device),
-                                       to_device(np.array([hook for _, hook in sites]), device))
-        return self._site_index[sites]
+            self._site_index[sites] = self._site_reader(sites)
+        return self._site_index[sites](num_rows)
+
+    def _site_reader(self, sites: tuple[tuple[int, int], ...]) -> Callable[[int], torch.Tensor]:
+        out = self.bank.read_out  # [held layers, hooks, rows, hidden]
+        layers = [self.bank.layer_index[layer] for layer, _ in sites]  # in the buffers' numbering
+        hooks = [hook for _, hook in sites]
+        first, count, num_hooks = layers[0], len(sites), out.shape[1]
+        if hooks == [hooks[0]] * count and layers == list(range(first, first + count)):
+            return lambda rows: out[first : first + count, hooks[0], :rows]
+        span = count // num_hooks
+        if (count % num_hooks == 0 and hooks == list(range(num_hooks)) * span
+                and layers == [first + i // num_hooks for i in range(count)]):
+            return lambda rows: out[first : first + span, :, :rows].flatten(0, 1)
+        layer_index, hook_index = to_device(np.array(layers), out.device), to_device(np.array(hooks), out.device)
+        return lambda rows: out[layer_index, hook_index, :rows]
 
     def _drain(self, needed: Container[str] | None = None) -> None:
         """File the rows of copies that have landed under their requests. Copies holding rows of ``needed``
@@ -470,14 +537,14 @@ class CaptureStore:
         chunks, entry.chunks = entry.chunks[:-1], entry.chunks[-1:]
         step, k, _ = entry.chunks[0]
         entry.unhanded_rows = len(step.plan.positions_of(k))
-        columns, num_columns = _columns(chunks)
-        positions = np.array(sorted(p for p in columns if p not in entry.handed), dtype=np.int64)
+        columns = _Columns.of(chunks)
+        positions = columns.positions[~_among(columns.positions, entry.handed)]
         for name, spec in entry.specs.items():
             sites = self._spec_sites(spec)
-            picked = positions[spec.select(positions, entry.prompt_len)].tolist() if sites else []
-            if picked:
+            picked = positions[spec.select(positions, entry.prompt_len)] if sites else positions[:0]
+            if len(picked):
                 parts = entry.parts.setdefault(name, [])
-                parts.append(self._hand_on(name, spec, entry, chunks, columns, num_columns, sites, picked,
+                parts.append(self._hand_on(name, spec, entry, chunks, columns, sites, picked,
                                            ConsumerResult(status="ok", rows=len(picked) * len(sites)),
                                            part=len(parts), final=False))
         entry.handed.update(positions.tolist())
@@ -542,13 +609,13 @@ class CaptureStore:
         # The last sampled token is never fed back: with the final length known, rows past it (an async
         # scheduler's step that ran past a stop) are not part of the request.
         computed = entry.num_computed if length is None else min(entry.num_computed, max(length - 1, 0))
-        columns, num_columns = _columns(entry.chunks)
+        columns = _Columns.of(entry.chunks)
         futures = {}
         for name, spec in entry.specs.items():
             sites = self._spec_sites(spec)
             if not sites:
                 continue  # another pipeline stage holds this consumer's layers
-            final = self._submit(name, spec, entry, columns, num_columns, sites, computed)
+            final = self._submit(name, spec, entry, columns, sites, computed)
             parts = entry.parts.get(name)
             futures[name] = _merged([*parts, final], self.consumers[name].consumer_class.merge_parts) if parts \
                 else final
@@ -570,41 +637,42 @@ class CaptureStore:
                 future.add_done_callback(lambda f, n=name, k=key: _log_failure(n, k, f.result()))
             logger.warning("capture results for key %s were never claimed; dropped them", key)
 
-    def _submit(self, name: str, spec: Any, entry: _Entry, columns: dict[int, int], num_columns: int,
-                sites: tuple[tuple[int, int], ...], computed: int) -> Future:
+    def _submit(self, name: str, spec: Any, entry: _Entry, columns: _Columns, sites: tuple[tuple[int, int], ...],
+                computed: int) -> Future:
         expected = spec.expected_positions(entry.prompt_len, computed)
         if isinstance(spec.positions, list):
-            beyond = sorted(set(spec.positions) - set(expected))
+            beyond = sorted(set(spec.positions) - set(expected.tolist()))
             if beyond:
                 return _resolved(ConsumerResult.failed(
                     f"positions {beyond} were never computed: the sequence went through the model for {computed} "
                     "tokens (the last generated token is never fed back)"
                 ))
-        handed = entry.handed
-        present = [p for p in expected if p in columns or p in handed]
+        held, handed = columns.held(expected), _among(expected, entry.handed)
+        missing = expected[~(held | handed)]
         message = None
-        dropped = (len(expected) - len(present)) * len(sites)
+        dropped = len(missing) * len(sites)
         if dropped:
-            missing = sorted(set(expected) - set(present))
-            message = f"positions {missing[:8]}{'...' if len(missing) > 8 else ''} were not computed by this engine"
-        own = [p for p in present if p not in handed] if handed else present  # not handed on in a part already
+            message = (f"positions {missing[:8].tolist()}{'...' if len(missing) > 8 else ''} were not computed by "
+                       "this engine")
+        own = expected[held & ~handed]  # not handed on in a part already
         status = "partial_error" if message else "ok"
         base = ConsumerResult(status=status, message=message, rows=len(own) * len(sites), dropped=dropped)
-        return self._hand_on(name, spec, entry, entry.chunks if own else [], columns, num_columns, sites, own, base,
+        return self._hand_on(name, spec, entry, entry.chunks if len(own) else [], columns, sites, own, base,
                              part=len(entry.parts.get(name, [])), final=True)
 
-    def _hand_on(self, name: str, spec: Any, entry: _Entry, chunks: list[_Chunk], columns: dict[int, int],
-                 num_columns: int, sites: tuple[tuple[int, int], ...], positions: list[int], base: ConsumerResult,
+    def _hand_on(self, name: str, spec: Any, entry: _Entry, chunks: list[_Chunk], columns: _Columns,
+                 sites: tuple[tuple[int, int], ...], positions: np.ndarray, base: ConsumerResult,
                  *, part: int, final: bool) -> Future:
-        """Submit ``positions`` of the request's rows in ``chunks`` (at their ``columns``) to a consumer."""
-        picked = [columns[p] for p in positions]
-        every_column = picked == list(range(num_columns))
+        """Submit ``positions`` (ascending) of the request's rows in ``chunks`` (at their ``columns``) to a
+        consumer."""
+        picked = columns.columns_of(positions)
+        every_column = len(picked) == columns.count and bool((picked == np.arange(columns.count)).all())
         reduction = self.consumers[name].row_reduction
         table = self.bank.steer_table
         width, dtype = (reduction.width, torch.float32) if reduction else (table.shape[-1], table.dtype)
         meta = CaptureMeta(
             request_id=self.external_id(entry.req_id), tag=spec.tag, model=self.model,
-            prompt_len=entry.prompt_len, positions=positions,
+            prompt_len=entry.prompt_len, positions=positions.tolist(),
             sites=list(_site_names(sites, spec.naming)),
             dtype=str(dtype).removeprefix("torch."), options=spec.options, part=part, final=final,
         )

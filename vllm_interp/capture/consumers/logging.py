@@ -120,7 +120,11 @@ class LoggingConsumer(CaptureConsumer):
             head = f"request {meta.request_id}" + (f" tag={meta.tag}" if meta.tag else "")
             for site, site_stats in capture:
                 logger.log(self.level, "%s %s: %s", head, site, self._format(meta.positions, site_stats))
-        stats = torch.stack([capture.tensors[site] for site in meta.sites]) if meta.sites else torch.empty(0, 0, 0)
+        # The block the sites' tensors are views of is already [sites, positions, statistics]: no stacking anew.
+        if capture.block is not None:
+            stats = capture.block
+        else:
+            stats = torch.stack([capture.tensors[site] for site in meta.sites]) if meta.sites else torch.empty(0, 0, 0)
         return {"rows": len(meta.positions) * len(meta.sites), "sites": meta.sites, "stats": pack(stats),
                 "format": meta.options.get("format", "lists")}
 
