@@ -108,6 +108,14 @@ def test_a_step_arms_the_graph_read_buffers_and_clears_what_the_last_one_set():
     assert bank.read_slot.tolist() == [0, 1, -1, -1, -1, -1, -1, -1]
     arm(["a", "b"], [2, 2])  # four rows: past the buffers, this step runs eagerly
     assert bank.read_slot.tolist() == [-1] * 8 and bank.read_flags.tolist() == [[0, 0, 0], [0, 0, 0]]
+    # A steady batch plans the same rows step after step: uploaded once, armed until a step reads otherwise.
+    arm(["b", "a"], [1, 1])
+    armed = store._armed_rows
+    arm(["b", "a"], [1, 1])
+    assert store._armed_rows is armed and bank.read_slot.tolist() == [0, 1, -1, -1, -1, -1, -1, -1]
+    arm(["a", "b"], [2, 2])
+    arm(["b", "a"], [1, 1])  # the same rows as two steps ago, after a step that cleared them
+    assert bank.read_slot.tolist() == [0, 1, -1, -1, -1, -1, -1, -1]
     store.close()
 
 
