@@ -24,8 +24,8 @@ server.
 
 ``--py-spy PATH`` (a py-spy binary) samples every thread of the server's processes (the API server, the engine
 core, a consumer's own process) during each phase, plain included, idle time included, into
-``py-spy-<round>-<phase>.txt`` beside ``--out`` (collapsed stacks, one line per distinct stack);
-``--py-spy-native`` adds C frames (a wait for the interpreter lock shows as ``take_gil``).
+``py-spy-<round>-<phase>.txt`` beside ``--out`` (collapsed stacks, one line per distinct stack). (With
+``--native`` added, py-spy 0.4.3 wrote nothing on the H200 host: not offered.)
 
 ``--torch-profile`` runs vLLM's torch profiler over a window of decode steps of every phase, plain included
 (``benchmarks/step_profile.py``), and adds each phase's device time per step, by kernel, to the report. The
@@ -93,15 +93,14 @@ class ServerSampler:
     """py-spy sampling a server's whole process tree (the API server, the engine core, a consumer's own
     process) while a phase runs: ``start`` before it, ``stop`` after."""
 
-    def __init__(self, binary: str, server_pid: int, out_dir: Path, native: bool = False) -> None:
+    def __init__(self, binary: str, server_pid: int, out_dir: Path) -> None:
         self.binary, self.pid, self.out_dir = binary, server_pid, out_dir
-        self.native = ["--native"] if native else []  # C frames too: waits for the interpreter lock, CUDA calls
         self._process: subprocess.Popen | None = None
 
     def start(self, label: str) -> None:
         self._process = subprocess.Popen(
             [self.binary, "record", "--pid", str(self.pid), "--subprocesses", "--idle", "--threads", "--nonblocking",
-             "--rate", "200", *self.native,
+             "--rate", "200",
              "--format", "raw", "--output", str(self.out_dir / f"py-spy-{label}.txt")],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(0.5)  # attached before the phase's first request
@@ -221,7 +220,6 @@ def main() -> None:
     parser.add_argument("--start-timeout", type=float, default=600)
     parser.add_argument("--phases", default=",".join(PHASES), help="which of the phases to run (plain always)")
     parser.add_argument("--py-spy", default=None, help="py-spy binary: sample the server's processes in every phase")
-    parser.add_argument("--py-spy-native", action="store_true", help="with --py-spy: sample C frames too")
     parser.add_argument("--torch-profile", action="store_true", help="device time per step of each phase, by kernel")
     args = parser.parse_args()
     asked = args.phases.split(",")
@@ -259,8 +257,7 @@ def main() -> None:
         watch = RssWatch(server.pid)
         watch.start()
         rng = torch.Generator().manual_seed(0)
-        sampler = (ServerSampler(args.py_spy, server.pid, Path(args.out).parent, args.py_spy_native)
-                   if args.py_spy else None)
+        sampler = ServerSampler(args.py_spy, server.pid, Path(args.out).parent) if args.py_spy else None
 
         def body(capture: dict[str, Any] | None) -> dict[str, Any]:
             prompt = torch.randint(100, vocab - 100, (args.prompt_tokens,), generator=rng).tolist()
