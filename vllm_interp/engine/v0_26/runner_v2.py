@@ -41,7 +41,8 @@ TOUCHPOINTS = (
                "whether the step replays a CUDA graph", params=("cg_mode",)),
     Touchpoint("vllm.config:CUDAGraphMode.NONE", "read", "the mode of a step that runs eagerly"),
     Touchpoint("vllm.v1.core.sched.output:SchedulerOutput", "read", "requests arriving, running and finishing",
-               params=("scheduled_new_reqs", "scheduled_cached_reqs", "num_scheduled_tokens", "finished_req_ids")),
+               params=("scheduled_new_reqs", "scheduled_cached_reqs", "num_scheduled_tokens",
+                       "total_num_scheduled_tokens", "finished_req_ids")),
     Touchpoint("vllm.v1.core.sched.output:NewRequestData", "read", "an arriving request's specs and prompt",
                params=("req_id", "sampling_params", "prompt_token_ids", "num_computed_tokens")),
     Touchpoint("vllm.v1.core.sched.output:CachedRequestData", "read", "where a running request's step starts",
@@ -69,8 +70,11 @@ class InterpV2RunnerMixin(InterpSteps):
         with FORWARD.launching():
             if not dummy_run:
                 self._interp_arrivals(scheduler_output)
-                if self.interp_store.capturing and not self.interp_store.fits_graph(self._interp_count_reads(
-                        scheduler_output)):
+                store = self.interp_store
+                # A step reads at most one row per token: one of no more tokens than the graph read buffers hold
+                # fits without counting (every decode step of a batch within them).
+                if (store.capturing and not store.fits_graph(scheduler_output.total_num_scheduled_tokens)
+                        and not store.fits_graph(self._interp_count_reads(scheduler_output))):
                     is_profile = True
             try:
                 output = super().execute_model(scheduler_output, intermediate_tensors, dummy_run,
