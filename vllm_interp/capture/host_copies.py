@@ -233,7 +233,7 @@ def split_copies(host: torch.Tensor, splits: list[tuple[int, int]]) -> list[torc
     ``benchmarks/host_costs.py``: 0.26 ms alone, 7.4 beside a busy thread; this 0.25 and 4.4, one wait)."""
     sites, _, hidden = host.shape
     same_width = as_array(host).dtype  # numpy lacks some of torch's dtypes (bfloat16)
-    copies = [torch.from_numpy(np.empty((sites, stop - start, hidden), dtype=same_width)).view(host.dtype)
+    copies = [_tensor_of(np.empty((sites, stop - start, hidden), dtype=same_width), host.dtype)
               for start, stop in splits]
     # torch's multi-tensor copy (a private name, present in the pinned torch 2.11).
     torch._foreach_copy_(copies, [host[:, start:stop] for start, stop in splits])

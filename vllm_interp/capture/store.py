@@ -289,7 +289,7 @@ class CaptureStore:
         self._last_rows: tuple[np.ndarray, torch.Tensor] | None = None  # the last planned rows, and on the device
         self._armed_sites: frozenset[tuple[int, int]] = frozenset()  # the sites the graph read flags name
         self._read_slots = torch.arange(bank.graph_read_rows, device=bank.read_slot.device)  # each read row's slot
-        self._site_index: dict[tuple[tuple[int, int], ...], Callable[[int], torch.Tensor]] = {}  # _graph_block
+        self._site_readers: dict[tuple[tuple[int, int], ...], Callable[[int], torch.Tensor]] = {}  # by ``_graph_block``
         # Steps that read rows, by how the sites read them: inside a replayed CUDA graph, or eagerly.
         self.read_steps = {"graph": 0, "eager": 0}
         self._warm_reductions()
@@ -471,11 +471,11 @@ class CaptureStore:
         are one hook of consecutive layers, or every hook of them (every-token workloads), are a view of the
         buffers: no index tensors, no gathering kernel (the step's readers copy or reduce it on the same stream,
         before the next replay writes the buffers). Other sets are gathered, their index uploaded once."""
-        if sites not in self._site_index:
-            if len(self._site_index) >= 64:  # requests may want any set of sites: keep the recent ones
-                self._site_index.clear()
-            self._site_index[sites] = self._site_reader(sites)
-        return self._site_index[sites](num_rows)
+        if sites not in self._site_readers:
+            if len(self._site_readers) >= 64:  # requests may want any set of sites: keep the recent ones
+                self._site_readers.clear()
+            self._site_readers[sites] = self._site_reader(sites)
+        return self._site_readers[sites](num_rows)
 
     def _site_reader(self, sites: tuple[tuple[int, int], ...]) -> Callable[[int], torch.Tensor]:
         out = self.bank.read_out  # [held layers, hooks, rows, hidden]
