@@ -6,7 +6,10 @@ each ``POST /start_profile`` (past a phase's prefill, into its decode), and writ
 Markdown table: the device's busy time per profiled step (kernels, copies and sets, from the traces' GPU
 events; on a CPU engine, whose traces hold none, the CPU operators' time, a nested operator's counted in its
 parent's too) and the items that took most of it. Comparing a capturing phase's table with the plain
-phase's shows what capture adds to a step on the device, which host-side sampling (py-spy) cannot see.
+phase's shows what capture adds to a step on the device, which host-side sampling (py-spy) cannot see. A
+second table gives the host's side of the same steps: the CUDA runtime calls the forward thread made (count,
+time and longest call per step), where a call that waits for the device (a synchronize, a copy into pageable
+memory) or a slowed launch shows.
 """
 
 import gzip
@@ -18,6 +21,7 @@ from pathlib import Path
 WINDOW_STEPS = 40
 SKIP_STEPS = 30
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+HOST_CATEGORIES = ("cuda_runtime", "cuda_driver")
 TOP_ITEMS = 12
 
 
@@ -54,6 +58,9 @@ def summarise(traces: list[Path], label: str) -> str:
         return f"### {label}\n\nno trace was written\n"
     busy: Counter[str] = Counter()
     cpu_ops: Counter[str] = Counter()
+    host_calls: Counter[str] = Counter()
+    host_time: Counter[str] = Counter()
+    host_longest: Counter[str] = Counter()
     spans: list[float] = []  # each trace's first device event's start to its last one's end, us
     for trace in traces:
         opener = gzip.open if trace.name.endswith(".gz") else open
@@ -68,6 +75,11 @@ def summarise(traces: list[Path], label: str) -> str:
                 device_times.append((event.get("ts", 0), event.get("ts", 0) + event.get("dur", 0)))
             elif event.get("cat") == "cpu_op":
                 cpu_ops[event.get("name", "?")[:90]] += event.get("dur", 0)
+            elif event.get("cat") in HOST_CATEGORIES:
+                name = event.get("name", "?")[:90]
+                host_calls[name] += 1
+                host_time[name] += event.get("dur", 0)
+                host_longest[name] = max(host_longest[name], event.get("dur", 0))
         if device_times:
             spans.append(max(end for _, end in device_times) - min(start for start, _ in device_times))
     what, items = ("device", busy) if busy else ("CPU operators (no device events)", cpu_ops)
@@ -76,4 +88,10 @@ def summarise(traces: list[Path], label: str) -> str:
              f"({WINDOW_STEPS} steps)" + span_note(spans, total), "", "| item | us per step | share |", "|---|---|---|"]
     for name, duration in items.most_common(TOP_ITEMS):
         lines.append(f"| `{name}` | {duration / WINDOW_STEPS:.1f} | {duration / total:.3f} |")
+    if host_time:
+        lines += ["", f"Host: CUDA calls, {sum(host_time.values()) / WINDOW_STEPS:.0f} us per step", "",
+                  "| call | calls per step | us per step | longest us |", "|---|---|---|---|"]
+        for name, duration in host_time.most_common(TOP_ITEMS):
+            lines.append(f"| `{name}` | {host_calls[name] / WINDOW_STEPS:.1f} | {duration / WINDOW_STEPS:.1f} | "
+                         f"{host_longest[name]:.0f} |")
     return "\n".join(lines) + "\n"

@@ -343,3 +343,54 @@ def test_open_ended_position_specs_plan_from_their_first_position_as_their_masks
                 [expected.tolist()] if len(expected) else [])
             assert plan.rows.tolist() == (expected - start).tolist()
     store.close()
+
+
+def test_a_steady_decode_batch_is_planned_as_the_loop_over_its_requests_plans_it(monkeypatch):
+    """Decode steps of an unchanged batch of every-token requests reuse the last step's plan (no loop over the
+    requests); each plan equals the one planned request by request, through joins, a preemption's reordering, a
+    prefill chunk, a bounded spec and a finished request, and keeps its positions when the runner rewrites its
+    buffers."""
+    planned, plan_by_loop = [], store_module.plan_reads
+    monkeypatch.setattr(store_module, "plan_reads", lambda *args: planned.append(1) or plan_by_loop(*args))
+    fast, reference = make_store(), make_store()
+    steps = [  # (requests joining, the batch as (req_id, position start, tokens), whether the last plan is reused)
+        ({"a": "all", "b": "all_generated"}, [("a", 0, 4), ("b", 0, 4)], False),
+        ({}, [("a", 4, 1), ("b", 4, 1)], False),  # after a prefill
+        ({}, [("a", 5, 1), ("b", 5, 1)], True),
+        ({}, [("a", 6, 1), ("b", 6, 1)], True),
+        ({"c": "all"}, [("a", 7, 1), ("b", 7, 1), ("c", 0, 3)], False),  # a join, with a prefill chunk
+        ({}, [("a", 8, 1), ("b", 8, 1), ("c", 3, 1)], False),
+        ({}, [("a", 9, 1), ("b", 9, 1), ("c", 4, 1)], True),
+        ({}, [("b", 10, 1), ("a", 10, 1), ("c", 5, 1)], False),  # reordered (a preemption and a resume)
+        ({}, [("b", 11, 1), ("a", 11, 1), ("c", 6, 1)], True),
+        ({"d": [2, 3]}, [("b", 12, 1), ("a", 12, 1), ("c", 7, 1), ("d", 0, 4)], False),  # a bounded spec
+        ({}, [("b", 13, 1), ("a", 13, 1), ("c", 8, 1)], False),
+        ({}, [("b", 14, 1), ("a", 14, 1), ("c", 9, 1)], True),
+        ("finish c", [("b", 15, 1), ("a", 15, 1)], False),
+        ({}, [("b", 16, 1), ("a", 16, 1)], True),
+        ("end a", [("b", 17, 1), ("a", 17, 1)], False),  # its caller took its results: a reads no more
+        ({}, [("b", 18, 1), ("a", 18, 1)], False),
+    ]
+    for joining, batch, reused in steps:
+        for store in (fast, reference):
+            if joining == "finish c":
+                store.finish({"c"})
+            elif joining == "end a":
+                store.results({"a": 18}, 0.0)
+            for req_id, positions in (joining if isinstance(joining, dict) else {}).items():
+                store.lookup(req_id, extra_args(req_id, positions), prompt_len=4)
+        req_ids = [req_id for req_id, _, _ in batch]
+        starts = np.cumsum([0] + [tokens for _, _, tokens in batch])
+        computed = np.array([start for _, start, _ in batch])
+        planned.clear()
+        plan = fast.plan_reads(BatchLayout.of(req_ids, starts, computed))
+        assert (not planned) == reused, batch
+        reference._steady = None
+        expected = reference.plan_reads(BatchLayout.of(req_ids, starts, computed))
+        computed += 100  # the runner rewrites its buffers for the next step
+        assert (plan.rows.tolist(), plan.positions.tolist(), plan.req_ids, plan.slot_starts.tolist()) == (
+            expected.rows.tolist(), expected.positions.tolist(), expected.req_ids, expected.slot_starts.tolist())
+        assert {r: e.num_computed for r, e in fast._entries.items() if e} == {
+            r: e.num_computed for r, e in reference._entries.items() if e}
+    fast.close()
+    reference.close()

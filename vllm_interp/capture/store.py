@@ -257,6 +257,44 @@ class _StepRows:
         return large
 
 
+@dataclass(frozen=True)
+class _SteadyReads:
+    """A decode step's plan in which every request of the batch read its one new row and reads every row from
+    there on, without end (every-token capture): the next step with the same batch, one token each, reads the
+    same rows of the same requests, so it is planned without a loop over them (64 requests took about a tenth
+    of a millisecond of the forward thread per step on the dev CPU). Dropped when a request ends
+    (``CaptureStore._end``): it may still be in the batch, reading nothing more."""
+
+    req_ids: list[str]
+    entries: list[_Entry]
+    rows: np.ndarray
+    slot_starts: np.ndarray
+
+    def plan(self, layout: BatchLayout) -> ReadPlan | None:
+        """The plan of a step laid out as ``layout``, when it is the same batch one token further (else None)."""
+        if layout.total_tokens != len(self.req_ids) or layout.req_ids != self.req_ids:
+            return None
+        # A copy: the layout's positions may be a view of the runner's buffers, which the next step rewrites.
+        positions = layout.position_starts.copy()
+        for entry, stop in zip(self.entries, (positions + 1).tolist(), strict=True):
+            entry.num_computed = max(entry.num_computed, stop)
+        return ReadPlan(rows=self.rows, positions=positions, req_ids=self.req_ids, slot_starts=self.slot_starts)
+
+    @classmethod
+    def of(cls, layout: BatchLayout, answers: dict[int, ReadAnswer], entries: list[_Entry],
+           plan: ReadPlan) -> "_SteadyReads | None":
+        """The steady form of ``plan`` (planned for ``answers`` about ``layout``), if it is one."""
+        count = len(layout.req_ids)
+        if len(answers) != count or layout.total_tokens != count:  # a request that does not read, or a prefill
+            return None
+        if any(entry.last_position is not None for entry in entries):
+            return None
+        starts = layout.position_starts.tolist()
+        if not all(isinstance(answer, int) and answer <= starts[i] for i, answer in answers.items()):
+            return None
+        return cls(plan.req_ids, entries, plan.rows, plan.slot_starts)
+
+
 # (step, the request's index among the step's readers, its own parts of the step's large copies or None)
 _Chunk = tuple[_StepRows, int, dict[RowReduction | None, torch.Tensor] | None]
 
@@ -287,6 +325,7 @@ class CaptureStore:
         self._ending: dict[str, _Entry] = {}  # ended, waiting for the copies of their steps to land
         self._armed_rows: torch.Tensor | None = None  # graph read buffer entries the last step set
         self._last_rows: tuple[np.ndarray, torch.Tensor] | None = None  # the last planned rows, and on the device
+        self._steady: _SteadyReads | None = None  # the last step's plan, when the next one may repeat it
         self._armed_sites: frozenset[tuple[int, int]] = frozenset()  # the sites the graph read flags name
         self._read_slots = torch.arange(bank.graph_read_rows, device=bank.read_slot.device)  # each read row's slot
         self._site_readers: dict[tuple[tuple[int, int], ...], Callable[[int], torch.Tensor]] = {}  # by ``_graph_block``
@@ -355,7 +394,10 @@ class CaptureStore:
         reading, entries = self._reading, self._entries
         if not reading:  # no request reads: an enabled but idle engine plans this before every step
             return plan_reads(layout, answers)
+        if self._steady is not None and (plan := self._steady.plan(layout)) is not None:
+            return plan
         starts, counts = layout.position_starts.tolist(), layout.num_tokens.tolist()
+        readers = []
         for i, req_id in enumerate(layout.req_ids):
             if req_id not in reading:
                 continue
@@ -363,12 +405,15 @@ class CaptureStore:
             stop = start + counts[i]
             entry.num_computed = max(entry.num_computed, stop)
             answers[i] = self._wanted(entry, start, counts[i])
+            readers.append(entry)
             last = entry.last_position
             if last is not None and stop > last:
                 # Every position it reads is computed (a recompute after preemption would read the same rows).
                 done.append(req_id)
         reading.difference_update(done)
-        return plan_reads(layout, answers)
+        plan = plan_reads(layout, answers)
+        self._steady = _SteadyReads.of(layout, answers, readers, plan)
+        return plan
 
     def count_reads(self, scheduled: Iterable[tuple[str, int, int]]) -> int:
         """How many rows a step scheduling these ``(req_id, position_start, num_tokens)`` would read, without
@@ -570,6 +615,7 @@ class CaptureStore:
     def _end(self, entry: _Entry, length: int | None) -> None:
         self._live.discard(entry.req_id)
         self._reading.discard(entry.req_id)
+        self._steady = None
         entry.final_length = length
         self._ending[entry.req_id] = entry
 
