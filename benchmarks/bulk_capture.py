@@ -28,8 +28,10 @@ core, a consumer's own process) during each phase, plain included, idle time inc
 ``--native`` added, py-spy 0.4.3 wrote nothing on the H200 host: not offered.)
 
 ``--torch-profile`` runs vLLM's torch profiler over a window of decode steps of every phase, plain included
-(``benchmarks/step_profile.py``), and adds each phase's device time per step, by kernel, to the report. The
-profiler slows the steps it records: that run's throughput figures are not comparable with others'.
+(``benchmarks/step_profile.py``), and adds each phase's device time per step, by kernel, and the forward
+thread's CUDA calls to the report; ``--torch-profile-stack`` also records Python calls (torch's Python tracer)
+and adds the time per step of vllm-interp's own functions. The profiler slows the steps it records (the Python
+tracer much more): that run's throughput figures are not comparable with others'.
 """
 
 import argparse
@@ -221,6 +223,8 @@ def main() -> None:
     parser.add_argument("--phases", default=",".join(PHASES), help="which of the phases to run (plain always)")
     parser.add_argument("--py-spy", default=None, help="py-spy binary: sample the server's processes in every phase")
     parser.add_argument("--torch-profile", action="store_true", help="device time per step of each phase, by kernel")
+    parser.add_argument("--torch-profile-stack", action="store_true",
+                        help="--torch-profile with Python calls: vllm-interp's own functions' time per step")
     args = parser.parse_args()
     asked = args.phases.split(",")
     unknown = set(asked) - set(PHASES)
@@ -243,7 +247,8 @@ def main() -> None:
     began = time.monotonic()
     isolation = f",isolation={args.isolation}" if args.isolation else ""
     profiles = workdir / "profiles"
-    profiling = step_profile.profiler_args(profiles) if args.torch_profile else []
+    args.torch_profile = args.torch_profile or args.torch_profile_stack
+    profiling = step_profile.profiler_args(profiles, args.torch_profile_stack) if args.torch_profile else []
     profile_sections: list[str] = []
     url, server = launch_server(
         [args.model, "--max-model-len", str(args.prompt_tokens + args.max_tokens + 16), *args.server_arg, *profiling,

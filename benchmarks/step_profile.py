@@ -9,7 +9,8 @@ parent's too) and the items that took most of it. Comparing a capturing phase's 
 phase's shows what capture adds to a step on the device, which host-side sampling (py-spy) cannot see. A
 second table gives the host's side of the same steps: the CUDA runtime calls the forward thread made (count,
 time and longest call per step), where a call that waits for the device (a synchronize, a copy into pageable
-memory) or a slowed launch shows.
+memory) or a slowed launch shows. With Python calls recorded (``profiler_args(..., with_stack=True)``), a third
+table gives vllm-interp's own functions' time per step (each call's whole duration, callees included).
 """
 
 import gzip
@@ -25,9 +26,10 @@ HOST_CATEGORIES = ("cuda_runtime", "cuda_driver")
 TOP_ITEMS = 12
 
 
-def profiler_args(directory: Path) -> list[str]:
-    """`vllm serve` arguments for a torch profiler over a window of steps, writing under ``directory``."""
-    config = {"profiler": "torch", "torch_profiler_dir": str(directory), "torch_profiler_with_stack": False,
+def profiler_args(directory: Path, with_stack: bool = False) -> list[str]:
+    """`vllm serve` arguments for a torch profiler over a window of steps, writing under ``directory``;
+    ``with_stack``: Python calls recorded too."""
+    config = {"profiler": "torch", "torch_profiler_dir": str(directory), "torch_profiler_with_stack": with_stack,
               "ignore_frontend": True, "delay_iterations": SKIP_STEPS, "max_iterations": WINDOW_STEPS}
     return ["--profiler-config", json.dumps(config)]
 
@@ -61,6 +63,7 @@ def summarise(traces: list[Path], label: str) -> str:
     host_calls: Counter[str] = Counter()
     host_time: Counter[str] = Counter()
     host_longest: Counter[str] = Counter()
+    ours: Counter[str] = Counter()  # vllm-interp's Python functions, by "file(line): name"
     spans: list[float] = []  # each trace's first device event's start to its last one's end, us
     for trace in traces:
         opener = gzip.open if trace.name.endswith(".gz") else open
@@ -75,6 +78,8 @@ def summarise(traces: list[Path], label: str) -> str:
                 device_times.append((event.get("ts", 0), event.get("ts", 0) + event.get("dur", 0)))
             elif event.get("cat") == "cpu_op":
                 cpu_ops[event.get("name", "?")[:90]] += event.get("dur", 0)
+            elif event.get("cat") == "python_function" and "vllm_interp/" in event.get("name", ""):
+                ours[event["name"].split("vllm_interp/", 1)[1][:90]] += event.get("dur", 0)
             elif event.get("cat") in HOST_CATEGORIES:
                 name = event.get("name", "?")[:90]
                 host_calls[name] += 1
@@ -94,4 +99,8 @@ def summarise(traces: list[Path], label: str) -> str:
         for name, duration in host_time.most_common(TOP_ITEMS):
             lines.append(f"| `{name}` | {host_calls[name] / WINDOW_STEPS:.1f} | {duration / WINDOW_STEPS:.1f} | "
                          f"{host_longest[name]:.0f} |")
+    if ours:
+        lines += ["", "Host: vllm-interp's Python functions (callees included)", "", "| function | us per step |",
+                  "|---|---|"]
+        lines += [f"| `{name}` | {duration / WINDOW_STEPS:.1f} |" for name, duration in ours.most_common(TOP_ITEMS)]
     return "\n".join(lines) + "\n"

@@ -250,13 +250,14 @@ def test_block_policy_gives_up_on_a_stalled_consumer(make_runner):
 
 
 def test_requests_wait_while_the_worker_launches_a_forward(make_runner):
-    """A runner takes no request while the forward gate is closed (the worker launching a step), and takes
-    what queued meanwhile once it opens."""
+    """A runner takes no request while the forward gate is closed (the worker launching a step, and within it
+    the store handing requests on), and takes what queued meanwhile once it opens."""
     gate = ForwardGate()
     runner, consumer = make_runner("block", gate=gate)
     capture = make_capture("req-1")
     with gate.launching():
-        future = runner.submit(PendingCapture.of(capture), base_result(capture))
+        with gate.launching():
+            future = runner.submit(PendingCapture.of(capture), base_result(capture))
         assert not consumer.started.wait(0.2), "the consumer ran while the worker launched a forward"
     assert future.result(WAIT_S).status == "ok"
 

@@ -394,3 +394,26 @@ def test_a_steady_decode_batch_is_planned_as_the_loop_over_its_requests_plans_it
             r: e.num_computed for r, e in reference._entries.items() if e}
     fast.close()
     reference.close()
+
+
+def test_requests_ending_together_are_all_handed_on_before_a_runner_starts_on_them(monkeypatch):
+    """Finalizing keeps the forward gate closed: a runner gathering one request's rows beside the thread that
+    finalizes the next would have both wait on the interpreter lock."""
+    gate_open_while_finalizing = []
+    finalize = CaptureStore._finalize
+
+    def watched(self, entry, length):
+        gate_open_while_finalizing.append(store_module.FORWARD._open.is_set())
+        finalize(self, entry, length)
+
+    monkeypatch.setattr(CaptureStore, "_finalize", watched)
+    store = make_store()
+    stream = torch.arange(6 * HIDDEN, dtype=torch.float32).reshape(6, HIDDEN)
+    for req_id in ("a", "b", "c"):
+        store.lookup(req_id, extra_args(req_id, "all"), prompt_len=4)
+        step(store, req_id, 0, 4, stream[:4])
+    results = store.results({"a": 5, "b": 5, "c": 5}, wait_s=5.0)
+    assert gate_open_while_finalizing == [False, False, False]
+    assert store_module.FORWARD._open.is_set()
+    assert {key: result["inline"]["status"] for key, result in results.items()} == dict.fromkeys("abc", "ok")
+    store.close()

@@ -20,8 +20,8 @@ around every tensor op it launches (1,500 and more a step). A consumer thread bu
 of those handoffs wait: on the dev CPU a loop of 1,500 small ops took 4.7 ms alone and 9-19 ms beside a runner
 consuming 32 ``inline`` requests (about 10 ms of work on its thread), 4.8 ms with the gate closed around it
 (``benchmarks/host_costs.py``). So a runner takes its next request only while the worker is not launching a
-forward (``FORWARD``, which the runner mixins close around it): between steps, and while the engine waits for
-the device, as a GPU engine mostly does.
+forward (``FORWARD``, which the runner mixins close around it) nor handing finished requests on (the store closes
+it around that): between steps, and while the engine waits for the device, as a GPU engine mostly does.
 """
 
 import logging
@@ -50,20 +50,26 @@ BLOCK_TIMEOUT_S = 60.0
 
 
 class ForwardGate:
-    """Open unless the worker is launching a forward (``launching``); consumer runners take work only while it
-    is open. The worker's own wait for a consumer (``waiting``) opens it, so that the wait can end."""
+    """Open unless the worker's forward thread is launching a forward, or handing finished requests to their
+    consumers (``launching``, which nests: the store hands requests on within a step too); consumer runners take
+    work only while it is open. The worker's own wait for a consumer (``waiting``) opens it, so that the wait
+    can end. Only the forward thread enters it."""
 
     def __init__(self) -> None:
         self._open = threading.Event()
         self._open.set()
+        self._depth = 0
 
     @contextmanager
     def launching(self) -> Iterator[None]:
+        self._depth += 1
         self._open.clear()
         try:
             yield
         finally:
-            self._open.set()
+            self._depth -= 1
+            if not self._depth:
+                self._open.set()
 
     @contextmanager
     def waiting(self) -> Iterator[None]:
