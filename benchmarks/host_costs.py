@@ -62,6 +62,7 @@ from vllm_interp.capture.consumers.logging import LoggingConsumer
 from vllm_interp.capture.dispatch import ConsumerRunner, ForwardGate
 from vllm_interp.capture.host_copies import as_array, split_copies
 from vllm_interp.capture.isolation import InThread
+from vllm_interp.capture.plugins import DEFAULT_QUEUE_MB
 from vllm_interp.capture.results import ConsumerResult, result_to_json
 from vllm_interp.capture.spec import spec_to_wire, validate_capture_spec
 from vllm_interp.capture.store import CaptureStore
@@ -102,7 +103,8 @@ def capture_store(layers: int, hidden: int) -> CaptureStore:
     bank = site_bank(layers, hidden, steer_rows=1, dtype=torch.float32)
     context = ConsumerContext("logging", LoggingConsumer.validate_engine_options({}), "m", num_layers=layers,
                               hidden_size=hidden)
-    runner = ConsumerRunner(InThread(LoggingConsumer(context)), policy="block", queue_bytes=1 << 20)
+    # The engine's default queue: a smaller one makes finalizing wait for the consumer to make room.
+    runner = ConsumerRunner(InThread(LoggingConsumer(context)), policy="block", queue_bytes=DEFAULT_QUEUE_MB << 20)
     return CaptureStore(bank, num_layers=layers, model="m", consumers={"logging": runner}, global_spec={},
                         external_id=str, max_graph_tokens=0)
 
@@ -392,7 +394,8 @@ def every_token_logging_ms(args: argparse.Namespace, steps: int = 256) -> dict[s
     """``--requests`` requests capturing every position at ``post_block`` of every layer to ``logging`` (packed)
     on a CPU engine: the forward thread's capture work per decode step (plan, the stand-in reads, collect: the
     statistics and the landing, filing the landed step), over ``steps`` steps; then, all ending together, the
-    time until every result is in (finalizing on the forward thread, gathering and packing on the consumer's)."""
+    forward thread's time to finalize them (the first ask for their results) and the time until every result is
+    in (gathering and packing on the consumer's thread too)."""
     layers, hidden, count, prompt_len = args.layers, args.hidden, args.requests, 16
     store = capture_store(layers, hidden)
     spec = validate_capture_spec({"logging": {"hooks": {"post_block": "all"}, "positions": "all",
@@ -413,10 +416,13 @@ def every_token_logging_ms(args: argparse.Namespace, steps: int = 256) -> dict[s
             store.collect(plan, reads)
         per_step = (time.perf_counter() - started) / steps
         lengths = {f"key-{i}": prompt_len + steps + 1 for i in range(count)}
-        started, answered = time.perf_counter(), {}
+        started = time.perf_counter()
+        answered = store.results(lengths, wait_s=0.0)  # ends and finalizes them all (the CPU's copies have landed)
+        finalizing = time.perf_counter() - started
         while len(answered) < count:
             answered.update(store.results({k: n for k, n in lengths.items() if k not in answered}, wait_s=1.0))
         return {"forward thread per decode step": per_step * 1e3,
+                f"forward thread finalizing all {count}": finalizing * 1e3,
                 f"every result after all {count} end": (time.perf_counter() - started) * 1e3}
     finally:
         store.close()
