@@ -10,7 +10,8 @@ phase's shows what capture adds to a step on the device, which host-side samplin
 second table gives the host's side of the same steps: the CUDA runtime calls the forward thread made (count,
 time and longest call per step), where a call that waits for the device (a synchronize, a copy into pageable
 memory) or a slowed launch shows. With Python calls recorded (``profiler_args(..., with_stack=True)``), a third
-table gives vllm-interp's own functions' time per step (each call's whole duration, callees included).
+table gives vllm-interp's own functions on the forward thread (the one that ran the most operators): each one's
+time per step without its callees (self) and with them (total; a runner mixin's method wraps vLLM's).
 """
 
 import gzip
@@ -54,6 +55,38 @@ def span_note(spans: list[float], busy_total: float) -> str:
     return f"; span {span / WINDOW_STEPS:.0f} us per step, busy {busy_total / len(spans) / span:.2f} of it"
 
 
+def python_self_and_total(events: list[dict], self_time: Counter[str], total_time: Counter[str]) -> None:
+    """Add the forward thread's vllm-interp Python calls in ``events`` to ``self_time`` (without callees) and
+    ``total_time`` (with them), by function."""
+    work: Counter = Counter()
+    for event in events:
+        if event.get("ph") == "X" and event.get("cat") == "cpu_op":
+            work[event.get("tid")] += event.get("dur", 0)
+    if not work:
+        return
+    forward = work.most_common(1)[0][0]
+    calls = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") == "python_function"
+                    and e.get("tid") == forward), key=lambda e: (e.get("ts", 0), -e.get("dur", 0)))
+    open_calls: list[list] = []  # [end, name, time of direct callees, duration]
+
+    def close(call: list) -> None:
+        _, name, callees, duration = call
+        if "vllm_interp/" in name:
+            key = name.split("vllm_interp/", 1)[1][:90]
+            self_time[key] += duration - callees
+            total_time[key] += duration
+
+    for event in calls:
+        start, duration = event.get("ts", 0), event.get("dur", 0)
+        while open_calls and open_calls[-1][0] <= start:
+            close(open_calls.pop())
+        if open_calls:
+            open_calls[-1][2] += duration
+        open_calls.append([start + duration, event.get("name", ""), 0, duration])
+    for call in reversed(open_calls):
+        close(call)
+
+
 def summarise(traces: list[Path], label: str) -> str:
     """The device's busy time per profiled step in ``traces``, and its largest items, as Markdown."""
     if not traces:
@@ -63,7 +96,8 @@ def summarise(traces: list[Path], label: str) -> str:
     host_calls: Counter[str] = Counter()
     host_time: Counter[str] = Counter()
     host_longest: Counter[str] = Counter()
-    ours: Counter[str] = Counter()  # vllm-interp's Python functions, by "file(line): name"
+    ours_self: Counter[str] = Counter()  # vllm-interp's Python functions, by "file(line): name"
+    ours_total: Counter[str] = Counter()
     spans: list[float] = []  # each trace's first device event's start to its last one's end, us
     for trace in traces:
         opener = gzip.open if trace.name.endswith(".gz") else open
@@ -78,13 +112,12 @@ def summarise(traces: list[Path], label: str) -> str:
                 device_times.append((event.get("ts", 0), event.get("ts", 0) + event.get("dur", 0)))
             elif event.get("cat") == "cpu_op":
                 cpu_ops[event.get("name", "?")[:90]] += event.get("dur", 0)
-            elif event.get("cat") == "python_function" and "vllm_interp/" in event.get("name", ""):
-                ours[event["name"].split("vllm_interp/", 1)[1][:90]] += event.get("dur", 0)
             elif event.get("cat") in HOST_CATEGORIES:
                 name = event.get("name", "?")[:90]
                 host_calls[name] += 1
                 host_time[name] += event.get("dur", 0)
                 host_longest[name] = max(host_longest[name], event.get("dur", 0))
+        python_self_and_total(events, ours_self, ours_total)
         if device_times:
             spans.append(max(end for _, end in device_times) - min(start for start, _ in device_times))
     what, items = ("device", busy) if busy else ("CPU operators (no device events)", cpu_ops)
@@ -99,8 +132,10 @@ def summarise(traces: list[Path], label: str) -> str:
         for name, duration in host_time.most_common(TOP_ITEMS):
             lines.append(f"| `{name}` | {host_calls[name] / WINDOW_STEPS:.1f} | {duration / WINDOW_STEPS:.1f} | "
                          f"{host_longest[name]:.0f} |")
-    if ours:
-        lines += ["", "Host: vllm-interp's Python functions (callees included)", "", "| function | us per step |",
-                  "|---|---|"]
-        lines += [f"| `{name}` | {duration / WINDOW_STEPS:.1f} |" for name, duration in ours.most_common(TOP_ITEMS)]
+    if ours_self:
+        own = sum(ours_self.values()) / WINDOW_STEPS
+        lines += ["", f"Host: vllm-interp's Python on the forward thread, {own:.0f} us per step (self)", "",
+                  "| function | self us per step | total us per step |", "|---|---|---|"]
+        lines += [f"| `{name}` | {duration / WINDOW_STEPS:.1f} | {ours_total[name] / WINDOW_STEPS:.1f} |"
+                  for name, duration in ours_self.most_common(TOP_ITEMS)]
     return "\n".join(lines) + "\n"
