@@ -1,5 +1,6 @@
-"""``logging``'s one-launch statistics kernel (GPU engines) computes what the torch reduction computes: checked
-here on the CPU through Triton's interpreter (set before the kernel is built, so in a process of its own)."""
+"""``logging``'s one-launch statistics kernel (GPU engines) computes what the torch reduction computes, of
+contiguous blocks and of views it reads in place: checked here on the CPU through Triton's interpreter (set
+before the kernel is built, so in a process of its own)."""
 
 import os
 import subprocess
@@ -16,6 +17,12 @@ for shape, dtype in [((3, 5, 576), torch.float32), ((2, 7, 2048), torch.bfloat16
     rows = (torch.randn(shape) * 3 + 0.5).to(dtype)
     got = row_statistics_kernel(rows, len(STATS))
     torch.testing.assert_close(got, row_statistics(rows), rtol=1e-5, atol=1e-5)
+# Views read where they lie: a replayed step's rows of consecutive layers in the graph read buffers
+# ([layers, hooks, buffer rows, width]), a transposed block, and a single row.
+buffers = torch.randn(4, 3, 9, 64)
+for view in [buffers[1:3, :, :5].flatten(0, 1), buffers[0:4, 2, :7], buffers[:, :, 2].transpose(0, 1),
+             buffers[1, 1, 3], buffers[:2, :2, :3, :10]]:
+    torch.testing.assert_close(row_statistics_kernel(view, len(STATS)), row_statistics(view), rtol=1e-5, atol=1e-5)
 print("ok")
 """
 

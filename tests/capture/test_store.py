@@ -345,11 +345,12 @@ def test_open_ended_position_specs_plan_from_their_first_position_as_their_masks
     store.close()
 
 
-def test_a_steady_decode_batch_is_planned_as_the_loop_over_its_requests_plans_it(monkeypatch):
+def test_a_steady_decode_batch_is_planned_and_filed_as_the_loop_over_its_requests_does_it(monkeypatch):
     """Decode steps of an unchanged batch of every-token requests reuse the last step's plan (no loop over the
-    requests); each plan equals the one planned request by request, through joins, a preemption's reordering, a
-    prefill chunk, a bounded spec and a finished request, and keeps its positions when the runner rewrites its
-    buffers."""
+    requests) and are kept for the batch until it changes; each plan equals the one planned request by request,
+    through joins, a preemption's reordering, a prefill chunk, a bounded spec, a finished request and one ended
+    by its caller, and keeps its positions when the runner rewrites its buffers; every request's rows come out
+    as when each step is planned and filed request by request."""
     planned, plan_by_loop = [], store_module.plan_reads
     monkeypatch.setattr(store_module, "plan_reads", lambda *args: planned.append(1) or plan_by_loop(*args))
     fast, reference = make_store(), make_store()
@@ -370,30 +371,75 @@ def test_a_steady_decode_batch_is_planned_as_the_loop_over_its_requests_plans_it
         ({}, [("b", 16, 1), ("a", 16, 1)], True),
         ("end a", [("b", 17, 1), ("a", 17, 1)], False),  # its caller took its results: a reads no more
         ({}, [("b", 18, 1), ("a", 18, 1)], False),
+        ({}, [("b", 19, 1)], False),
+        ({}, [("b", 20, 1)], True),
     ]
+    taken = {"fast": {}, "reference": {}}
     for joining, batch, reused in steps:
-        for store in (fast, reference):
+        for name, store in (("fast", fast), ("reference", reference)):
             if joining == "finish c":
                 store.finish({"c"})
             elif joining == "end a":
-                store.results({"a": 18}, 0.0)
+                taken[name].update(store.results({"a": 18}, wait_s=5.0))
             for req_id, positions in (joining if isinstance(joining, dict) else {}).items():
                 store.lookup(req_id, extra_args(req_id, positions), prompt_len=4)
         req_ids = [req_id for req_id, _, _ in batch]
         starts = np.cumsum([0] + [tokens for _, _, tokens in batch])
         computed = np.array([start for _, start, _ in batch])
+        # Each row of the step's stream holds its request and position.
+        stream = torch.tensor([[ord(req_id) * 100.0 + start + i] * HIDDEN
+                               for req_id, start, tokens in batch for i in range(tokens)])
         planned.clear()
         plan = fast.plan_reads(BatchLayout.of(req_ids, starts, computed))
         assert (not planned) == reused, batch
-        reference._steady = None
         expected = reference.plan_reads(BatchLayout.of(req_ids, starts, computed))
+        reference._drop_steady()  # the reference plans and files every step request by request
         computed += 100  # the runner rewrites its buffers for the next step
         assert (plan.rows.tolist(), plan.positions.tolist(), plan.req_ids, plan.slot_starts.tolist()) == (
             expected.rows.tolist(), expected.positions.tolist(), expected.req_ids, expected.slot_starts.tolist())
-        assert {r: e.num_computed for r, e in fast._entries.items() if e} == {
-            r: e.num_computed for r, e in reference._entries.items() if e}
+        for store, step_plan in ((fast, plan), (reference, expected)):
+            reads = store.site_reads(step_plan, torch.device("cpu"), 0)
+            if reads is not None:
+                reads.out[(1, 2)] = stream.index_select(0, reads.rows)
+                store.collect(step_plan, reads)
+    for name, store in (("fast", fast), ("reference", reference)):
+        taken[name].update(store.results({"b": 22, "c": 100, "d": 100}, wait_s=5.0))
+    def readout(result: dict) -> tuple:
+        rows = ResidualReadout.from_result(result["inline"]["result"])
+        return result["inline"]["status"], rows.positions, rows.tensors["1.post_block"][:, 0].tolist()
+
+    rows = {name: {key: readout(result) for key, result in results.items()} for name, results in taken.items()}
+    assert rows["fast"] == rows["reference"]
+    assert rows["fast"]["b"] == ("ok", list(range(4, 21)), [ord("b") * 100.0 + p for p in range(4, 21)])
+    assert rows["fast"]["a"][1] == list(range(17))  # the length its caller gave: positions before 17
     fast.close()
     reference.close()
+
+
+def test_a_request_ending_in_a_steady_batch_waits_for_the_steps_still_in_flight(monkeypatch):
+    """A steady batch notes its requests' last steps when it is settled: a request that ends while the copies of
+    its steady steps are still in flight is finalized once they have landed, with every row."""
+    store = make_store()
+    for req_id in ("a", "b"):
+        store.lookup(req_id, extra_args(req_id, "all"), prompt_len=2)
+    in_flight = [False]
+    landed = store_module._StepRows.done
+    monkeypatch.setattr(store_module._StepRows, "done", lambda self: not in_flight[0] and landed(self))
+    for position in range(8):
+        if position == 4:
+            in_flight[0] = True  # the steady steps' copies from here on have not landed
+        layout = BatchLayout.of(["a", "b"], np.array([0, 1, 2]), np.array([position, position]))
+        plan = store.plan_reads(layout)
+        reads = store.site_reads(plan, torch.device("cpu"), 0)
+        reads.out[(1, 2)] = torch.full((2, HIDDEN), float(position))
+        store.collect(plan, reads)
+    assert store.results({"a": 9}, wait_s=0.0) == {}  # ended; its last steps have not landed
+    in_flight[0] = False
+    result = store.results({"a": 9}, wait_s=5.0)["a"]["inline"]
+    rows = ResidualReadout.from_result(result["result"])
+    assert (result["status"], rows.positions) == ("ok", list(range(8)))
+    assert rows.tensors["1.post_block"][:, 0].tolist() == [float(p) for p in range(8)]
+    store.close()
 
 
 def test_requests_ending_together_are_all_handed_on_before_a_runner_starts_on_them(monkeypatch):

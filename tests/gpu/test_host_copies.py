@@ -1,11 +1,12 @@
-"""Large blocks leave the device through the pinned arena intact: several in flight at once, landed in order,
-each split per request, none overwritten by a later block's copy or by the device's later writes."""
+"""Blocks leave the device intact: large ones through the pinned arena, several in flight at once, landed in
+order, each split per request; small ones whole, each copy's event recorded on the stream it was queued on and
+reused once landed; none overwritten by a later block's copy or by the device's later writes."""
 
 import pytest
 import torch
 
 from vllm_interp.capture import host_copies
-from vllm_interp.capture.host_copies import PINNED_CACHED_MAX_BYTES, SplitCopy
+from vllm_interp.capture.host_copies import PINNED_CACHED_MAX_BYTES, SplitCopy, WholeCopy
 
 pytestmark = pytest.mark.gpu
 
@@ -27,3 +28,19 @@ def test_large_blocks_land_intact_through_the_arena():
                 assert part.shape == (sites, stop - start, hidden)
                 assert bool((part == landed).all()), f"step {landed}'s rows were overwritten"
     assert host_copies.ARENA._memory is not None and host_copies.ARENA._memory.is_pinned()
+
+
+def test_small_blocks_land_intact_from_the_stream_they_were_copied_on():
+    block = torch.empty(4, 8, 64, device="cuda")
+    in_flight: list[tuple[int, WholeCopy]] = []
+    with torch.cuda.stream(torch.cuda.Stream()):  # not the default stream, whose events would not wait
+        for step in range(40):
+            torch.cuda._sleep(200_000)  # a busy stream: each copy lands well after it was queued
+            block.fill_(step)
+            in_flight.append((step, WholeCopy(block, [(0, 3), (3, 8)])))
+            block.fill_(-1)
+            if len(in_flight) > 2:
+                landed, copy = in_flight.pop(0)
+                copy.wait()
+                assert bool((copy.part(1) == landed).all()), f"step {landed}'s rows were not the ones copied"
+    assert host_copies._EVENTS, "landed copies' events are kept for reuse"

@@ -120,6 +120,16 @@ class WholeCopy:
     def _land(self, host: torch.Tensor) -> None:
         self._host, self._array = host, as_array(host)
 
+    @classmethod
+    def interleaved(cls, copies: list["WholeCopy"]) -> "WholeCopy":
+        """Landed copies of consecutive steps of one batch, each ``[sites, requests, width]`` (a row per
+        request), as one copy whose part ``k`` is request ``k``'s rows of every step, in step order."""
+        steps = [copy._array for copy in copies]
+        sites, count, width = steps[0].shape
+        stacked = np.stack(steps, axis=2).reshape(sites, count * len(steps), width)
+        return cls(_tensor_of(stacked, copies[0]._host.dtype),
+                   [(k * len(steps), (k + 1) * len(steps)) for k in range(count)])
+
     def part(self, i: int) -> torch.Tensor:
         assert self._host is not None
         start, stop = self.splits[i]
@@ -136,7 +146,7 @@ class WholeCopy:
 def start_pinned_copy(block: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event, Callable[[], None]]:
     """Queue a copy of ``block`` into pinned host memory on the current stream, without waiting; returns the
     host tensor, an event that completes when it has landed, and what to call once the host tensor has been
-    copied out of (its memory is then reused). A large block goes to the arena, when it has room."""
+    copied out of (its memory and the event are then reused). A large block goes to the arena, when it has room."""
     nbytes = _nbytes(block)
     taken = ARENA.take(nbytes) if nbytes > PINNED_CACHED_MAX_BYTES else None
     if taken is not None:
@@ -146,9 +156,33 @@ def start_pinned_copy(block: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Eve
         pinned = torch.empty(block.shape, dtype=block.dtype, pin_memory=True)
         release = partial(_let_go, nbytes)
     pinned.copy_(block, non_blocking=True)
-    event = torch.cuda.Event()
-    event.record()
-    return pinned, event, release
+    event = _EVENTS.pop() if _EVENTS else torch.cuda.Event()
+    event.record(_current_stream(block.get_device()))
+    return pinned, event, partial(_landed, event, release)
+
+
+# Events whose copies have landed, recorded again for later ones: a fresh event per step costs creating and
+# destroying it.
+_EVENTS: list[torch.cuda.Event] = []
+# ``torch.cuda.current_stream`` builds a ``Stream`` object under a device guard on every call: about 60 us of an
+# H200 host's forward thread per capturing step (torch profiler). The current stream's identity is a cheap call;
+# the object is made once per stream (torch's streams live as long as the process).
+_STREAMS: dict[tuple[int, int, int], torch.cuda.Stream] = {}
+
+
+def _current_stream(device_index: int) -> torch.cuda.Stream:
+    """The current stream of the device, as ``torch.cuda.current_stream`` gives it."""
+    key = torch._C._cuda_getCurrentStream(device_index)  # a private name, present in the pinned torch 2.11
+    stream = _STREAMS.get(key)
+    if stream is None:
+        stream = _STREAMS[key] = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
+    return stream
+
+
+def _landed(event: torch.cuda.Event, release: Callable[[], None]) -> None:
+    """After a copy was waited for and copied out of: its event goes back for reuse, its memory too."""
+    _EVENTS.append(event)
+    release()
 
 
 def _let_go(nbytes: int) -> None:

@@ -158,6 +158,12 @@ def _interned(sites: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]
 
 
 @lru_cache(maxsize=1024)
+def _ordered(sites: frozenset[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """A set of sites in order, as ``_interned``'s one tuple (a frozenset keeps its hash: a cheap lookup)."""
+    return _interned(tuple(sorted(sites)))
+
+
+@lru_cache(maxsize=1024)
 def _site_set(sites: tuple[tuple[int, int], ...]) -> frozenset[tuple[int, int]]:
     return frozenset(sites)
 
@@ -233,6 +239,7 @@ class _StepRows:
     reduced: dict[RowReduction, SplitCopy | WholeCopy]  # [union sites, rows, width]
     sites: tuple[tuple[int, int], ...]  # in the rows' order
     plan: ReadPlan
+    run: "_SteadyReads | None" = None  # the steady batch it is filed under when it lands, if any
 
     def copy(self, reduction: RowReduction | None) -> SplitCopy | WholeCopy:
         """The copy of the rows (None) or of a reduction."""
@@ -242,11 +249,28 @@ class _StepRows:
         return {**({None: self.rows} if self.rows is not None else {}), **self.reduced}
 
     def done(self) -> bool:
-        return all(copy.done() for copy in self.copies().values())
+        return (self.rows is None or self.rows.done()) and all(copy.done() for copy in self.reduced.values())
 
     def wait(self) -> None:
-        for copy in self.copies().values():
+        if self.rows is not None:
+            self.rows.wait()
+        for copy in self.reduced.values():
             copy.wait()
+
+    @classmethod
+    def interleaved(cls, steps: list["_StepRows"]) -> "_StepRows":
+        """Landed steps of one steady batch, whose copies landed whole, as one step in which each request's
+        rows are its rows of all of them: a request is then gathered from one part, not one per step (an
+        every-token request of 512 steps: 0.3 ms of slicing on a consumer's thread, dev CPU), and its
+        positions are laid out from one array when it is finalized."""
+        first, count = steps[0], len(steps)
+        readers = len(first.plan.req_ids)
+        positions = np.stack([step.plan.positions for step in steps], axis=1).reshape(-1)
+        plan = ReadPlan(rows=np.empty(0, np.int64), positions=positions, req_ids=first.plan.req_ids,
+                        slot_starts=np.arange(0, readers * count + 1, count))
+        rows = WholeCopy.interleaved([step.rows for step in steps]) if first.rows is not None else None
+        reduced = {key: WholeCopy.interleaved([step.reduced[key] for step in steps]) for key in first.reduced}
+        return cls(rows, reduced, first.sites, plan)
 
     def hand_out(self) -> dict[RowReduction | None, SplitCopy]:
         """Let go of the large copies, whose parts are each request's own (``SplitCopy``), and return them."""
@@ -257,19 +281,36 @@ class _StepRows:
         return large
 
 
-@dataclass(frozen=True)
+@dataclass
 class _SteadyReads:
     """A decode step's plan in which every request of the batch read its one new row and reads every row from
     there on, without end (every-token capture): the next step with the same batch, one token each, reads the
-    same rows of the same requests, so it is planned without deciding again what each request reads (only their
-    computed counts advance; a decode step of 64 requests: 40 us of the forward thread on the dev CPU planned
-    request by request, 12 this way; ``benchmarks/host_costs.py``). Dropped
-    when a request ends (``CaptureStore._end``): it may still be in the batch, reading nothing more."""
+    same rows of the same requests, so it is planned without deciding again what each request reads (a decode
+    step of 64 requests: 40 us of the forward thread on the dev CPU planned request by request, 12 this way;
+    ``benchmarks/host_costs.py``).
+
+    While it lasts, its steps are kept for the batch as a whole rather than for each request: the requests'
+    computed counts (the last step's ends), the serial of the last step collected, which sites the step reads
+    and what its consumers take, and the landed steps (``filed``, when no request takes parts and a step's
+    copies land whole). ``settle`` writes these into each request once it is dropped, the landed steps as
+    one (``_StepRows.interleaved``), so that a steady step's bookkeeping on the forward thread does not grow
+    with the batch (an H200 host's decode step of 64 requests spent about 0.3 ms in loops over them; torch
+    profiler) and a request's rows are one chunk. Dropped (``CaptureStore._drop_steady``) when a
+    step differs or a request ends: an ended request may still be in the batch, reading nothing more."""
 
     req_ids: list[str]
     entries: list[_Entry]
     rows: np.ndarray
     slot_starts: np.ndarray
+    splits: list[tuple[int, int]]
+    sites: frozenset[tuple[int, int]]  # the union of its requests' sites
+    wants_rows: bool  # some consumer takes whole rows
+    reductions: frozenset[RowReduction]
+    files_whole: bool  # no request takes parts: landed steps are filed under the batch (``filed``)
+    stops: np.ndarray | None = None  # each request's computed count after the last step planned
+    last_collected: int = -1  # the serial of its last step collected
+    filed: list["_StepRows"] = field(default_factory=list)
+    settled: bool = False
 
     def plan(self, layout: BatchLayout) -> ReadPlan | None:
         """The plan of a step laid out as ``layout``, when it is the same batch one token further (else None)."""
@@ -277,9 +318,22 @@ class _SteadyReads:
             return None
         # A copy: the layout's positions may be a view of the runner's buffers, which the next step rewrites.
         positions = layout.position_starts.copy()
-        for entry, stop in zip(self.entries, (positions + 1).tolist(), strict=True):
-            entry.num_computed = max(entry.num_computed, stop)
+        self.stops = positions + 1 if self.stops is None else np.maximum(self.stops, positions + 1)
         return ReadPlan(rows=self.rows, positions=positions, req_ids=self.req_ids, slot_starts=self.slot_starts)
+
+    def settle(self) -> None:
+        """Write what its steps did into each request (once it is no longer used): computed counts, the last
+        step each read in, and the landed steps, after the chunks each request had."""
+        self.settled = True
+        stops = self.stops.tolist() if self.stops is not None else [0] * len(self.entries)
+        # Its steps read the same sites (one interned tuple) and each request one row of each.
+        merged = _StepRows.interleaved(self.filed) if self.filed else None
+        for k, (entry, stop) in enumerate(zip(self.entries, stops, strict=True)):
+            entry.num_computed = max(entry.num_computed, stop)
+            entry.last_step = max(entry.last_step, self.last_collected)
+            if merged is not None and entry.sites:
+                entry.chunks.append((merged, k, None))
+        self.filed = []
 
     @classmethod
     def of(cls, layout: BatchLayout, answers: dict[int, ReadAnswer], entries: list[_Entry],
@@ -293,7 +347,19 @@ class _SteadyReads:
         starts = layout.position_starts.tolist()
         if not all(isinstance(answer, int) and answer <= starts[i] for i, answer in answers.items()):
             return None
-        return cls(plan.req_ids, entries, plan.rows, plan.slot_starts)
+        return cls(plan.req_ids, entries, plan.rows, plan.slot_starts, plan.splits(),
+                   sites=_readers_sites(entries), wants_rows=any(entry.wants_rows for entry in entries),
+                   reductions=_readers_reductions(entries),
+                   files_whole=not any(entry.part_bytes for entry in entries))
+
+
+def _readers_sites(entries: Iterable[_Entry]) -> frozenset[tuple[int, int]]:
+    # Requests of a step mostly want the same sites: the union of the distinct sets, not of every request's.
+    return frozenset().union(*{entry.site_set for entry in entries})
+
+
+def _readers_reductions(entries: Iterable[_Entry]) -> frozenset[RowReduction]:
+    return frozenset().union(*{entry.reductions for entry in entries})  # of the distinct sets: one, mostly
 
 
 # (step, the request's index among the step's readers, its own parts of the step's large copies or None)
@@ -330,6 +396,7 @@ class CaptureStore:
         self._armed_sites: frozenset[tuple[int, int]] = frozenset()  # the sites the graph read flags name
         self._read_slots = torch.arange(bank.graph_read_rows, device=bank.read_slot.device)  # each read row's slot
         self._site_readers: dict[tuple[tuple[int, int], ...], Callable[[int], torch.Tensor]] = {}  # by ``_graph_block``
+        self._last_block: tuple[tuple[tuple[int, int], ...], int, torch.Tensor] | None = None  # its last view
         # Steps that read rows, by how the sites read them: inside a replayed CUDA graph, or eagerly.
         self.read_steps = {"graph": 0, "eager": 0}
         self._warm_reductions()
@@ -395,8 +462,10 @@ class CaptureStore:
         reading, entries = self._reading, self._entries
         if not reading:  # no request reads: an enabled but idle engine plans this before every step
             return plan_reads(layout, answers)
-        if self._steady is not None and (plan := self._steady.plan(layout)) is not None:
-            return plan
+        if self._steady is not None:
+            if (plan := self._steady.plan(layout)) is not None:
+                return plan
+            self._drop_steady()
         starts, counts = layout.position_starts.tolist(), layout.num_tokens.tolist()
         readers = []
         for i, req_id in enumerate(layout.req_ids):
@@ -415,6 +484,16 @@ class CaptureStore:
         plan = plan_reads(layout, answers)
         self._steady = _SteadyReads.of(layout, answers, readers, plan)
         return plan
+
+    def _steady_of(self, plan: ReadPlan) -> _SteadyReads | None:
+        """The steady batch ``plan`` is a step of, if it is one (while that batch lasts)."""
+        steady = self._steady
+        return steady if steady is not None and steady.req_ids is plan.req_ids else None
+
+    def _drop_steady(self) -> None:
+        if self._steady is not None:
+            self._steady.settle()
+            self._steady = None
 
     def count_reads(self, scheduled: Iterable[tuple[str, int, int]]) -> int:
         """How many rows a step scheduling these ``(req_id, position_start, num_tokens)`` would read, without
@@ -439,8 +518,8 @@ class CaptureStore:
         that may replay sets them."""
         # A rank that runs none of the step's consumers plans the same rows (so it decides between graphs and
         # eager execution as the others do) but reads nothing.
-        # Requests of a step mostly want the same sites: the union of the distinct sets, not of every request's.
-        sites = frozenset().union(*{self._entries[req_id].site_set for req_id in plan.req_ids})
+        steady = self._steady_of(plan)
+        sites = steady.sites if steady is not None else _readers_sites(self._entries[r] for r in plan.req_ids)
         reads = StepReads(self._device_rows(plan.rows, device), sites) if sites else None
         if self.bank.graph_read_rows and step_tokens <= self.max_graph_tokens:
             self._arm_graph_reads(reads if reads is not None and self.fits_graph(plan.num_rows) else None)
@@ -491,37 +570,52 @@ class CaptureStore:
             sites = _interned(tuple(sorted(reads.out)))
             block = torch.stack([reads.out[site] for site in sites])
         else:  # a graph replay read into the buffers the rows were armed in
-            sites = _interned(tuple(sorted(reads.sites)))
+            sites = _ordered(reads.sites)
             block = self._graph_block(sites, len(reads.rows))
-        splits = plan.splits()
-        # A request finalized since the step was planned files nothing (``_file``).
-        entries = [entry for req_id in plan.req_ids if (entry := self._entries.get(req_id)) is not None]
-        for entry in entries:
-            entry.last_step = self._collected
+        steady = self._steady_of(plan)
+        if steady is not None:  # its requests' last steps are noted when it is settled
+            steady.last_collected = self._collected
+            splits, whole = steady.splits, False
+            wants_rows, reductions = steady.wants_rows, steady.reductions
+        else:
+            splits = plan.splits()
+            # A request finalized since the step was planned files nothing (``_file``).
+            entries = [entry for req_id in plan.req_ids if (entry := self._entries.get(req_id)) is not None]
+            for entry in entries:
+                entry.last_step = self._collected
+            # Requests that read their last prompt rows in this step end with it: each goes to its consumers
+            # once the step lands, not when it finishes generating, so the step's block is let go of within a
+            # few steps and may land whole (no copy per request on this thread).
+            ending = [entry for entry in entries if entry.req_id not in self._reading and entry.reads_only_prompt]
+            for entry in ending:
+                self._end_while_running(entry, None)
+            whole = len(ending) == len(entries)
+            wants_rows, reductions = any(e.wants_rows for e in entries), _readers_reductions(entries)
         self._collected += 1
-        # Requests that read their last prompt rows in this step end with it: each goes to its consumers once
-        # the step lands, not when it finishes generating, so the step's block is let go of within a few steps
-        # and may land whole (no copy per request on this thread).
-        ending = [entry for entry in entries if entry.req_id not in self._reading and entry.reads_only_prompt]
-        for entry in ending:
-            self._end_while_running(entry, None)
-        whole = len(ending) == len(entries)
         # Whole rows leave the device only when some request takes them; summaries are reduced here, on it.
-        rows = to_host(block, splits, whole) if any(e.wants_rows for e in entries) else None
-        reductions = frozenset().union(*{e.reductions for e in entries})  # of the distinct sets: one, mostly
+        rows = to_host(block, splits, whole) if wants_rows else None
         reduced = {r: to_host(r.reduce(block), splits, whole) for r in reductions}
-        self._pending.append(_StepRows(rows, reduced, sites, plan))
+        step = _StepRows(rows, reduced, sites, plan)
+        if steady is not None and steady.files_whole and all(
+                isinstance(copy, WholeCopy) for copy in step.copies().values()):
+            step.run = steady
+        self._pending.append(step)
 
     def _graph_block(self, sites: tuple[tuple[int, int], ...], num_rows: int) -> torch.Tensor:
         """``[sites, num_rows, hidden]``: the rows a replayed step read into the graph read buffers. Sites that
         are one hook of consecutive layers, or every hook of them (every-token workloads), are a view of the
         buffers: no index tensors, no gathering kernel (the step's readers copy or reduce it on the same stream,
         before the next replay writes the buffers). Other sets are gathered, their index uploaded once."""
+        last = self._last_block
+        if last is not None and last[0] is sites and last[1] == num_rows:
+            return last[2]  # steps of a steady batch read the same rows: the same view
         if sites not in self._site_readers:
             if len(self._site_readers) >= 64:  # requests may want any set of sites: keep the recent ones
                 self._site_readers.clear()
             self._site_readers[sites] = self._site_reader(sites)
-        return self._site_readers[sites](num_rows)
+        block = self._site_readers[sites](num_rows)
+        self._last_block = (sites, num_rows, block)
+        return block
 
     def _site_reader(self, sites: tuple[tuple[int, int], ...]) -> Callable[[int], torch.Tensor]:
         out = self.bank.read_out  # [held layers, hooks, rows, hidden]
@@ -569,6 +663,10 @@ class CaptureStore:
         request takes its own parts and the step lets go of them, so a long request never keeps
         the others' rows alive. Small ones stay with the step, read as views when a request's rows are gathered:
         filing an every-token step of small summaries costs one tuple per request."""
+        run = step.run
+        if run is not None and not run.settled:
+            run.filed.append(step)  # under each of its requests when it is settled
+            return
         entries, ending, large = self._entries, self._ending, step.hand_out()
         for k, req_id in enumerate(step.plan.req_ids):
             entry = entries.get(req_id) or ending.get(req_id)
@@ -622,7 +720,7 @@ class CaptureStore:
     def _end(self, entry: _Entry, length: int | None) -> None:
         self._live.discard(entry.req_id)
         self._reading.discard(entry.req_id)
-        self._steady = None
+        self._drop_steady()
         entry.final_length = length
         self._ending[entry.req_id] = entry
 
