@@ -148,6 +148,26 @@ def test_sharded_round_trip_is_published_at_close(tmp_path):
         assert meta == index[i]
 
 
+def test_a_shard_goes_to_the_disk_as_it_is_written(tmp_path, monkeypatch):
+    """The writer has the disk start on each chunk of a shard as it is written (not all at the fsync), and the
+    shard reads back as written."""
+    monkeypatch.setattr(filesystem, "WRITEBACK_BYTES", 2 * len(POSITIONS) * HIDDEN * 4)  # two tensors' bytes
+    started, start = [], filesystem._start_writeback
+    monkeypatch.setattr(filesystem, "_start_writeback",
+                        lambda fd, offset, nbytes: started.append((offset, nbytes)) or start(fd, offset, nbytes))
+    consumer = make_consumer(tmp_path, layout="sharded")
+    captures = [make_capture(request_id=f"r{i}", seed=i) for i in range(3)]
+    for capture in captures:
+        consumer.consume(capture)
+    consumer.close()
+    size = (tmp_path / "shards" / "shard-00000.safetensors").stat().st_size
+    chunk = filesystem.WRITEBACK_BYTES
+    assert len(started) >= 4 and [offset for offset, _ in started] == [0] + [o + n for o, n in started[:-1]]
+    assert all(n >= chunk for _, n in started) and size - sum(n for _, n in started) < chunk
+    for i, capture in enumerate(captures):
+        assert_same_tensors(read_capture(tmp_path, f"r{i}")[0], capture)
+
+
 def test_reading_every_sharded_capture_parses_the_index_once_per_version(tmp_path):
     """An export reads each capture of a root in turn: the index (and a shard's header) is parsed once, not
     once per capture, and lines appended later are seen; what a read returns is the caller's own."""

@@ -35,6 +35,7 @@ assumed to be the only writer of a root.
 """
 
 import copy
+import ctypes
 import functools
 import itertools
 import json
@@ -527,20 +528,54 @@ def _safetensors_writer(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) 
 
     def write(tmp: Path) -> None:
         with open(tmp, "wb", buffering=0) as f:
-            _write_all(f.fileno(), memoryview(struct.pack("<Q", len(text)) + text))
+            written = _write_all(f.fileno(), memoryview(struct.pack("<Q", len(text)) + text))
+            started = 0  # the bytes the disk was told to start writing
             for tensor in tensors.values():
                 if tensor.numel():
-                    _write_all(f.fileno(), memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy()))
+                    written += _write_all(f.fileno(),
+                                          memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy()))
+                if written - started >= WRITEBACK_BYTES:
+                    _start_writeback(f.fileno(), started, written - started)
+                    started = written
 
     return write
 
 
-def _write_all(fd: int, data: memoryview) -> None:
-    """Write all of ``data``: one ``write`` may take less than it is given (Linux takes at most 2 GiB a call,
-    and a capture's tensor may be larger), and a short write left unchecked is a silently truncated file."""
+# A file's pages go to the disk as they are written, a chunk at a time, not all at its fsync: the kernel starts
+# writing dirty pages back only past a share of the machine's memory, so a shard of hundreds of MiB sat in the
+# page cache until its fsync, and the disk was idle while the next shard was copied in (the sharded layout wrote
+# at 0.62-0.99 of a plain synced write on an H200 host's disk, median 0.76).
+WRITEBACK_BYTES = 32 << 20
+_SYNC_FILE_RANGE_WRITE = 2  # start writing the range's dirty pages, without waiting for them
+
+
+@functools.cache
+def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    """Linux's ``sync_file_range`` (which Python's ``os`` lacks), or None where there is none."""
+    try:
+        call = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    call.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return call
+
+
+def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Have the disk start writing these bytes of the file. Advisory: the fsync that publishes the file is what
+    makes it durable, so a file system that refuses it loses nothing."""
+    call = _sync_file_range()
+    if call is not None:
+        call(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
+
+
+def _write_all(fd: int, data: memoryview) -> int:
+    """Write all of ``data`` (returns its size): one ``write`` may take less than it is given (Linux takes at
+    most 2 GiB a call, and a capture's tensor may be larger), and a short write left unchecked is a silently
+    truncated file."""
     done = 0
     while done < data.nbytes:
         done += os.write(fd, data[done:])
+    return done
 
 
 def _json_writer(record: dict[str, Any]) -> Callable[[Path], None]:
