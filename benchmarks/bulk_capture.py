@@ -16,7 +16,9 @@ work through the backlog), ``sink`` (the same capture to the sharded filesystem 
 in parts while it runs), ``plain_after_sink``, ``sink_whole`` (the sink with ``part_mb: 0``: each request
 whole, when it ends).
 Reported: throughput and TPOT of each phase against ``plain`` of the same round, TTFT of the plain phases after
-a burst against the one before it, the bytes of rows each capturing phase captured and their rate, the sink's
+a burst against the one before it, the bytes of rows each capturing phase captured and their rate, how its
+capturing steps read (inside replayed CUDA graphs or eagerly, and how many as a steady batch's: the worker's
+``interp_capture_steps``, through vLLM's dev-mode ``/collective_rpc``, which the server is started with), the sink's
 shards on disk after shutdown, the server processes' peak
 resident memory, and, on the capture root's disk, the rate of the sink's own shard writer against a plain
 sequential write of the same bytes (A B A B, each synced to disk); ``--disk-only`` measures only that, without a
@@ -36,12 +38,14 @@ tracer much more): that run's throughput figures are not comparable with others'
 
 import argparse
 import json
+import os
 import shutil
 import signal
 import subprocess
 import tempfile
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,6 +73,7 @@ class Phase:
     name: str
     stats: RunStats
     captured_bytes: int = 0  # rows x hidden x dtype size of every capturing request
+    steps: dict[str, int] | None = None  # how its capturing steps read (``capture_steps``), during the phase
 
 
 class RssWatch(threading.Thread):
@@ -112,6 +117,15 @@ class ServerSampler:
             self._process.send_signal(signal.SIGINT)  # py-spy writes what it sampled on SIGINT
             self._process.wait(60)
             self._process = None
+
+
+def capture_steps(url: str) -> dict[str, int]:
+    """The worker's counts of capturing steps so far (rank 0's: every rank reads the same rows)."""
+    body = json.dumps({"method": "interp_capture_steps"}).encode()
+    request = urllib.request.Request(f"{url}/collective_rpc", data=body, headers={"Content-Type": "application/json"},
+                                     method="POST")
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read())["results"][0]
 
 
 def dtype_size(config: dict[str, Any], server_args: list[str]) -> int:
@@ -170,8 +184,9 @@ def report(args: argparse.Namespace, phases: list[Phase], rates: list[tuple[floa
              "capturing request, from vLLM's last output to the results reaching the API server, then their "
              "unpacking and conversion there; `vllm_interp/server/metrics.py`)", "",
              "| round | phase | TTFT ms | TPOT ms | last gap ms | results wait / prepare ms | tok/s | "
-             "throughput / plain | TPOT / plain | TTFT / plain | captured MB | captured MB/s | errors |",
-             "|" + "---|" * 13]
+             "throughput / plain | TPOT / plain | TTFT / plain | captured MB | captured MB/s | "
+             "capturing steps graph / eager / steady | errors |",
+             "|" + "---|" * 14]
     summary: dict[str, list[tuple[float | None, ...]]] = {}
     for phase in phases:
         base = next(p.stats for p in phases if p.round_index == phase.round_index and p.name == "plain")
@@ -182,10 +197,11 @@ def report(args: argparse.Namespace, phases: list[Phase], rates: list[tuple[floa
         captured = phase.captured_bytes / 1e6
         sink = f"{captured:.0f} | {captured / s.wall_s:.0f}" if captured else "- | -"
         results = " / ".join(fmt(s.engine_ms.get(label)) for label in RESULTS_METRICS)
+        steps = " / ".join(str(phase.steps[k]) for k in ("graph", "eager", "steady")) if phase.steps else "-"
         lines.append(f"| {phase.round_index} | {phase.name} | {fmt(s.ttft_ms())} | {fmt(s.tpot_ms(), 2)} | "
                      f"{fmt(s.last_gap_ms())} | {results} | {s.throughput():.0f} | "
                      + " | ".join(fmt(r, 3) for r in ratios)
-                     + f" | {sink} | {s.errors} |")
+                     + f" | {sink} | {steps} | {s.errors} |")
     lines += ["", "Median over rounds (against `plain` of the same round):", "",
               "| phase | throughput | TPOT | TTFT |", "|---|---|---|---|"]
     for name, rows in summary.items():
@@ -254,7 +270,7 @@ def main() -> None:
         [args.model, "--max-model-len", str(args.prompt_tokens + args.max_tokens + 16), *args.server_arg, *profiling,
          "--capture-consumers", f"logging:level=debug{isolation}",
          "--capture-consumers", f"filesystem:root={root},layout=sharded{isolation}"],
-        workdir / "server.log", None, VLLM_INTERP_MODULE)
+        workdir / "server.log", {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}, VLLM_INTERP_MODULE)
     phases: list[Phase] = []
     try:
         wait_healthy(url, server, workdir / "server.log", args.start_timeout)
@@ -280,7 +296,9 @@ def main() -> None:
                 if args.torch_profile:
                     since = time.time()
                     step_profile.post(url, "/start_profile")
+                steps_before = capture_steps(url)
                 stats = run_requests(url, bodies, args.concurrency)
+                steps = {k: n - steps_before.get(k, 0) for k, n in capture_steps(url).items()}
                 if sampler:
                     sampler.stop()
                 if args.torch_profile:
@@ -289,10 +307,10 @@ def main() -> None:
                                                                    f"round {round_index} {name}"))
                 # Every position but the last generated one goes through the model, at every layer.
                 rows = len(stats.ok) * (args.prompt_tokens + args.max_tokens - 1) * layers if capture else 0
-                phases.append(Phase(round_index, name, stats, rows * hidden * itemsize))
+                phases.append(Phase(round_index, name, stats, rows * hidden * itemsize, steps))
                 print(f"round {round_index} {name}: ttft {fmt(stats.ttft_ms())} ms tpot {fmt(stats.tpot_ms(), 2)} ms "
                       f"last gap {fmt(stats.last_gap_ms())} ms "
-                      f"{stats.throughput():.0f} tok/s errors {stats.errors}", flush=True)
+                      f"{stats.throughput():.0f} tok/s errors {stats.errors} capturing steps {steps}", flush=True)
                 for error in sorted({s.error for s in stats.samples if s.error is not None}):
                     print(f"  error: {error}", flush=True)
         watch.stop.set()

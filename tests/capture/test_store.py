@@ -410,6 +410,7 @@ def test_a_steady_decode_batch_is_planned_and_filed_as_the_loop_over_its_request
 
     rows = {name: {key: readout(result) for key, result in results.items()} for name, results in taken.items()}
     assert rows["fast"] == rows["reference"]
+    assert reference.read_steps["steady"] == 0 < fast.read_steps["steady"]
     assert rows["fast"]["b"] == ("ok", list(range(4, 21)), [ord("b") * 100.0 + p for p in range(4, 21)])
     assert rows["fast"]["a"][1] == list(range(17))  # the length its caller gave: positions before 17
     fast.close()

@@ -36,8 +36,8 @@ def row_statistics_kernel(rows: torch.Tensor, stats: int) -> torch.Tensor:
     """``[..., stats]`` float32 statistics of each row of ``rows`` (``[..., width]``, any float dtype), in
     the order norm, mean, std, min, max. A ``[blocks, rows, width]`` view with rows of unit stride is read
     where it lies: a replayed step's rows are such a view of the graph read buffers (rows of consecutive
-    layers, the buffers' row count apart), and copying them out first cost a decode step's forward thread
-    about 60 us of an H200 host (torch profiler)."""
+    layers, the buffers' row count apart), and copying them out first was an ``aten::clone`` of 58 us on an
+    H200 host's forward thread each decode step (torch profiler)."""
     width = rows.shape[-1]
     out = torch.empty((*rows.shape[:-1], stats), dtype=torch.float32, device=rows.device)
     if rows.dim() != 3 or rows.stride(-1) != 1:
