@@ -43,6 +43,23 @@ def test_tiers_sum_and_digest_identifies_the_vectors():
     assert not SteeringVectors({"decode": {"1.post_block": np.ones(8, np.float32)}}).affects_prefill
 
 
+def test_the_digest_tells_apart_where_each_vector_goes():
+    """The digest hashes every vector in one buffer and the sites' names and sizes after it: the same values
+    at other sites, in another tier, or split differently between sites are other specs; the same sites given
+    in another order are the same spec."""
+    a, b = np.arange(8, dtype=np.float32), np.arange(8, 16, dtype=np.float32)
+    digests = [SteeringVectors(tiers).digest() for tiers in [
+        {"base": {"0.pre_attn": a, "1.pre_attn": b}},
+        {"base": {"0.pre_attn": b, "1.pre_attn": a}},
+        {"base": {"0.pre_attn": a, "2.pre_attn": b}},
+        {"decode": {"0.pre_attn": a, "1.pre_attn": b}},
+        {"base": {"0.pre_attn": a}, "decode": {"1.pre_attn": b}},
+        {"base": {"0.pre_attn": np.concatenate([a, b[:4]]), "1.pre_attn": b[4:]}},
+    ]]
+    assert len(set(digests)) == len(digests)
+    assert SteeringVectors({"base": {"1.pre_attn": b, "0.pre_attn": a}}).digest() == digests[0]
+
+
 @pytest.mark.parametrize(
     ("raw", "message"),
     [
