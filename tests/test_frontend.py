@@ -1,8 +1,10 @@
 """The event-loop side of result collection, without an engine: one ``ResultsPoller`` asks the workers for every
-awaited capture key in one call per round, hands each collector only its own keys, drops callers that went
-away, and gives every caller of a failed round the error."""
+awaited capture key in one call per round (streams that end together in its first), polls again soon while
+keys are new, hands each collector only its own keys, drops callers that went away, and gives every caller of a
+failed round the error."""
 
 import asyncio
+import time
 
 from vllm_interp.capture.consumer import CaptureConsumer
 from vllm_interp.capture.results import ResultCollector
@@ -50,6 +52,23 @@ def test_collectors_awaiting_together_share_each_round_and_get_their_own_keys():
         merged = collector.merged({"inline": CaptureConsumer})
         assert sorted(merged) == sorted(collector.lengths)
         assert all(r["inline"].result == {"key": key} for key, r in merged.items())
+
+
+def test_streams_ending_together_share_the_first_round_and_new_keys_are_asked_again_soon():
+    """Callers arriving while the first round gathers join it; a key's first rounds follow each other at the
+    short interval (here the long one would not end within the test)."""
+    workers = Workers(ready_after=ResultsPoller.FIRST_ROUNDS)
+    poller = ResultsPoller(workers.rpc, interval_s=60.0, first_interval_s=0.001, gather_s=0.05)
+
+    async def main():
+        first = asyncio.create_task(poller.collect(_collector("a")))
+        await asyncio.sleep(0.001)  # a few event-loop turns later, as the next stream's end of stream comes
+        await asyncio.gather(first, poller.collect(_collector("b")))
+
+    started = time.monotonic()
+    asyncio.run(main())
+    assert time.monotonic() - started < 10
+    assert workers.calls == [{"a", "b"}] * ResultsPoller.FIRST_ROUNDS
 
 
 def test_a_caller_that_went_away_is_dropped_and_a_failed_round_fails_its_callers():

@@ -155,23 +155,37 @@ def collect_results(collector: ResultCollector, rpc: Callable[[dict[str, int], f
         collector.add(rpc(collector.pending, 0.2))
 
 
+@dataclass
+class _Waiter:
+    collector: ResultCollector
+    deadline: float
+    done: asyncio.Future
+    rounds: int = 0  # rounds that asked for its keys
+
+
 class ResultsPoller:
     """Polls the workers for every capture key awaited on this event loop, all keys in one call per round.
 
     Requests that finish together (128 streams of one length end within a few steps) then share calls: each
     call is a utility call that the engine core runs between steps, and polled one by one they interrupted it
-    once or twice per finishing request. A round starts at once when nothing is being polled; a key arriving
-    while a round waits joins the next, ``interval_s`` later."""
+    once or twice per finishing request. A round that starts from idle waits ``gather_s`` first, so that the
+    streams that finished in the same engine step (each reaches its end of stream a few event-loop turns after
+    the one before) join it rather than the next round. Between rounds: ``first_interval_s`` while some
+    caller's keys have been asked for fewer than ``FIRST_ROUNDS`` times (the first round hands a request that
+    just ended to its consumers, which take a few milliseconds), ``interval_s`` after that."""
+
+    FIRST_ROUNDS = 3
 
     @classmethod
     def for_engine(cls, engine_client: Any) -> "ResultsPoller":
         """Polling an async engine client's workers (``collective_rpc``)."""
         return cls(lambda pending, wait_s: engine_client.collective_rpc(RESULTS_RPC, args=(pending, wait_s)))
 
-    def __init__(self, rpc: Callable[[dict[str, int], float], Awaitable[list]], interval_s: float = 0.02) -> None:
+    def __init__(self, rpc: Callable[[dict[str, int], float], Awaitable[list]], interval_s: float = 0.02,
+                 first_interval_s: float = 0.005, gather_s: float = 0.002) -> None:
         self._rpc = rpc  # (capture key -> final length, seconds the workers may wait) -> per-rank answers
-        self._interval_s = interval_s
-        self._waiting: list[tuple[ResultCollector, float, asyncio.Future]] = []
+        self._interval_s, self._first_interval_s, self._gather_s = interval_s, first_interval_s, gather_s
+        self._waiting: list[_Waiter] = []
         self._task: asyncio.Task | None = None
 
     async def collect(self, collector: ResultCollector, timeout_s: float = RESULTS_TIMEOUT_S) -> None:
@@ -179,36 +193,38 @@ class ResultsPoller:
         if not collector.pending:
             return
         done = asyncio.get_running_loop().create_future()
-        self._waiting.append((collector, time.monotonic() + timeout_s, done))
+        self._waiting.append(_Waiter(collector, time.monotonic() + timeout_s, done))
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._poll())
         await done
 
     async def _poll(self) -> None:
+        await asyncio.sleep(self._gather_s)
         while self._waiting:
             round_ = list(self._waiting)
-            pending = {key: n for collector, _, _ in round_ for key, n in collector.pending.items()}
+            pending = {key: n for waiter in round_ for key, n in waiter.collector.pending.items()}
             try:
                 per_rank = await self._rpc(pending, 0.0)
             except Exception as exc:  # every caller of this round gets the error, as its own call would have
-                for entry in round_:
-                    self._settle(entry, exc)
+                for waiter in round_:
+                    self._settle(waiter, exc)
                 continue
             now = time.monotonic()
-            for entry in round_:
-                collector, deadline, done = entry
+            for waiter in round_:
+                collector = waiter.collector
+                waiter.rounds += 1
                 collector.add([{k: v for k, v in answers.items() if k in collector.lengths} for answers in per_rank])
-                if not collector.pending or now >= deadline or done.done():  # done: its caller went away
-                    self._settle(entry, None)
+                if not collector.pending or now >= waiter.deadline or waiter.done.done():  # done: caller went away
+                    self._settle(waiter, None)
             if self._waiting:
-                await asyncio.sleep(self._interval_s)
+                early = any(waiter.rounds < self.FIRST_ROUNDS for waiter in self._waiting)
+                await asyncio.sleep(self._first_interval_s if early else self._interval_s)
 
-    def _settle(self, entry: tuple[ResultCollector, float, asyncio.Future], error: Exception | None) -> None:
-        self._waiting.remove(entry)
-        done = entry[2]
-        if done.done():  # its caller went away
+    def _settle(self, waiter: _Waiter, error: Exception | None) -> None:
+        self._waiting.remove(waiter)
+        if waiter.done.done():  # its caller went away
             return
         if error is not None:
-            done.set_exception(error)
+            waiter.done.set_exception(error)
         else:
-            done.set_result(None)
+            waiter.done.set_result(None)
