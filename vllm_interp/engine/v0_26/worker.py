@@ -107,7 +107,7 @@ class InterpWorkerMixin:
 
     def interp_capture_steps(self) -> dict[str, int]:
         """How many steps read rows inside replayed CUDA graphs, how many ran eagerly to read them, and how many
-        of these were a steady batch's (planned and filed for the batch as a whole)."""
+        of these were a steady batch's (planned and collected for the batch as a whole)."""
         return dict(self.model_runner.interp_store.read_steps)
 
     def interp_set_global_steering(self, wire: dict[str, Any]) -> None:
