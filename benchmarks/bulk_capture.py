@@ -177,7 +177,7 @@ def report(args: argparse.Namespace, phases: list[Phase], rates: list[tuple[floa
              f"- Per phase: {args.requests} streaming requests at concurrency {args.concurrency}, "
              f"{args.prompt_tokens} random prompt tokens, {args.max_tokens} generated (ignore_eos), greedy",
              f"- Capture: `{json.dumps(EVERY_TOKEN)}` to `logging:level=debug` and to `filesystem` "
-             f"(`layout=sharded`), isolation {args.isolation or 'each its default'}",
+             f"(`layout=sharded,queue_mb={args.sink_queue_mb}`), isolation {args.isolation or 'each its default'}",
              f"- Server args: `{' '.join(args.server_arg)}`; started {started}; {wall_s:.0f} s", "",
              "(last gap: the median wait for a stream's last text chunk, which a capturing stream holds until the "
              "request's capture results come; TPOT includes it. Results wait / prepare: the server's mean per "
@@ -233,6 +233,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--isolation", choices=("process", "thread"), help="both consumers' (default: each its own)")
     parser.add_argument("--disk-mb", type=int, default=2048, help="bytes per disk-rate round")
+    # A burst's first parts come together: each request's prompt rows (16 MB for 256 positions at 16 sites of a
+    # 2048-wide bf16 model, 1 GB for 64 requests). docs/capture.md: give queue_mb room for a burst.
+    parser.add_argument("--sink-queue-mb", type=int, default=2048, help="the filesystem consumer's queue_mb")
     parser.add_argument("--disk-only", action="store_true", help="only the disk rates (no server)")
     parser.add_argument("--server-arg", action="append", default=[], help="passed to the server (repeatable)")
     parser.add_argument("--start-timeout", type=float, default=600)
@@ -269,7 +272,7 @@ def main() -> None:
     url, server = launch_server(
         [args.model, "--max-model-len", str(args.prompt_tokens + args.max_tokens + 16), *args.server_arg, *profiling,
          "--capture-consumers", f"logging:level=debug{isolation}",
-         "--capture-consumers", f"filesystem:root={root},layout=sharded{isolation}"],
+         "--capture-consumers", f"filesystem:root={root},layout=sharded,queue_mb={args.sink_queue_mb}{isolation}"],
         workdir / "server.log", {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}, VLLM_INTERP_MODULE)
     phases: list[Phase] = []
     try:

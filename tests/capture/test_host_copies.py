@@ -1,4 +1,5 @@
-"""How a step's read rows land in host memory: small blocks whole, large ones split per request; and the pinned
+"""How a step's read rows land in host memory: small blocks whole, large ones split per request (or left where
+they landed, given back once no view of them is left, when their readers all take parts); and the pinned
 arena large blocks are copied into: a ring whose regions go back oldest first, which never hands out memory
 still in use and says when it has no room (the block then takes fresh pinned memory), as it does for good when
 the arena itself cannot be pinned."""
@@ -89,3 +90,24 @@ def test_a_cpu_engines_small_blocks_land_whole_and_large_ones_split_per_request(
         assert torch.equal(landed.part(i), large[:, start:stop])
         assert not np.shares_memory(landed.array_part(i), large.numpy())
     assert isinstance(host_copies.to_host(large, splits, whole=True), host_copies.WholeCopy)
+    # Readers that all take parts let go of the block soon: it is read where it lies, not split.
+    held = host_copies.to_host(large, splits, in_parts=True)
+    assert isinstance(held, host_copies.WholeCopy) and held.done()
+    assert np.shares_memory(held.array_part(1), large.numpy())
+
+
+def test_held_pinned_memory_goes_back_once_the_last_view_of_it_is_gone():
+    """A block left in the pinned memory it landed in gives that memory back only when no request's view of
+    it is left: not when the copy, its array or its first views are dropped."""
+    released = []
+    owner = host_copies._PinnedOwner(torch.arange(24, dtype=torch.bfloat16).reshape(2, 3, 4),
+                                     lambda: released.append(True))
+    array = np.asarray(owner)
+    first, second = array[:, 0:1], host_copies._tensor_of(array[:, 1:3], torch.bfloat16)
+    del owner, array
+    assert not released
+    del first
+    assert not released
+    assert second[1, 1].tolist() == [20.0, 21.0, 22.0, 23.0]
+    del second
+    assert released == [True]

@@ -181,6 +181,41 @@ def test_a_request_whose_consumer_takes_parts_is_handed_on_while_it_runs():
     store.close()
 
 
+class InlineInLongParts(InlineInParts):
+    @classmethod
+    def part_bytes(cls, options: dict) -> int:
+        return 16 * HIDDEN * 4
+
+
+def test_the_parts_of_requests_decoding_together_are_spread_over_the_steps():
+    """Requests decoding together reach the part size in the same step. Their first parts come together; each
+    later part of a request is cut a different fraction of a part later than the others', so the batch's
+    parts come spread over the steps (not 4 in one step, then none for 15) and every position goes out once."""
+    store = make_store(consumer_class=InlineInLongParts)
+    ids, steps = [f"r{i}" for i in range(4)], 70
+    for req_id in ids:
+        store.lookup(req_id, extra_args(req_id, "all"), prompt_len=1)
+    cut_at: dict[str, list[int]] = {req_id: [] for req_id in ids}
+    for position in range(steps):
+        plan = store.plan_reads(BatchLayout.of(ids, np.arange(len(ids) + 1), np.full(len(ids), position)))
+        reads = store.site_reads(plan, torch.device("cpu"), len(ids))
+        reads.out[(1, 2)] = torch.full((len(ids), HIDDEN), float(position)).index_select(0, reads.rows)
+        store.collect(plan, reads)
+        for req_id in ids:
+            if len(store._entries[req_id].parts.get("inline", [])) > len(cut_at[req_id]):
+                cut_at[req_id].append(position)
+    assert len({cuts[0] for cuts in cut_at.values()}) == 1  # the first parts: together
+    later = [cut for cuts in cut_at.values() for cut in cuts[1:]]
+    assert len(later) >= 8 and len(set(later)) == len(later)  # the others: never two in one step
+    results = store.results({req_id: steps + 1 for req_id in ids}, wait_s=5)
+    for req_id in ids:
+        readouts = [ResidualReadout.from_result(p) for p in results[req_id]["inline"]["result"]["parts"]]
+        assert sum((r.positions for r in readouts), []) == list(range(steps))
+        rows = torch.cat([r["1.post_block"] for r in readouts])
+        assert torch.equal(rows[:, 0], torch.arange(steps, dtype=rows.dtype))
+    store.close()
+
+
 def test_steps_without_wanted_positions_read_nothing_and_unknown_keys_answer_empty():
     store = make_store()
     store.lookup("r", extra_args("k", "last_prompt"), prompt_len=3)

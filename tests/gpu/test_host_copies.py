@@ -1,6 +1,7 @@
 """Blocks leave the device intact: large ones through the pinned arena, several in flight at once, landed in
 order, each split per request; small ones whole, each copy's event recorded on the stream it was queued on and
-reused once landed; none overwritten by a later block's copy or by the device's later writes."""
+reused once landed; none overwritten by a later block's copy or by the device's later writes; blocks held for
+requests that take parts stay intact while viewed."""
 
 import pytest
 import torch
@@ -28,6 +29,9 @@ def test_large_blocks_land_intact_through_the_arena():
                 assert part.shape == (sites, stop - start, hidden)
                 assert bool((part == landed).all()), f"step {landed}'s rows were overwritten"
     assert host_copies.ARENA._memory is not None and host_copies.ARENA._memory.is_pinned()
+    for _, copy in in_flight:  # as the store lands every copy: their regions go back
+        copy.wait()
+    assert not host_copies.ARENA._regions
 
 
 def test_small_blocks_land_intact_from_the_stream_they_were_copied_on():
@@ -44,3 +48,26 @@ def test_small_blocks_land_intact_from_the_stream_they_were_copied_on():
                 copy.wait()
                 assert bool((copy.part(1) == landed).all()), f"step {landed}'s rows were not the ones copied"
     assert host_copies._EVENTS, "landed copies' events are kept for reuse"
+
+
+def test_held_blocks_stay_intact_while_viewed_and_give_their_memory_back_after():
+    """Blocks whose readers all take parts stay in the pinned memory they landed in, from torch's cache or
+    the arena: each request's view reads its rows after later blocks were copied, and an arena region goes
+    back once no view of it is left."""
+    sites, hidden = 16, 2048
+    for rows in (64, PINNED_CACHED_MAX_BYTES // (sites * hidden * 2) + 64):  # torch's pinned cache, the arena
+        splits = [(0, rows // 3), (rows // 3, rows)]
+        device_block = torch.empty(sites, rows, hidden, dtype=torch.bfloat16, device="cuda")
+        held = []
+        for step in range(3):
+            device_block.fill_(step)
+            copy = WholeCopy(device_block, splits, keep_pinned=True)
+            device_block.fill_(-1)
+            copy.wait()
+            held.append([copy.part(i) for i in range(len(splits))])  # the requests' views; the copy is let go
+        for step, views in enumerate(held):
+            for (start, stop), view in zip(splits, views, strict=True):
+                assert view.shape == (sites, stop - start, hidden) and view.is_pinned()
+                assert bool((view == step).all()), f"step {step}'s rows were overwritten while held"
+        del held, views, view, copy
+    assert not host_copies.ARENA._regions, "every arena region goes back once its views are gone"

@@ -17,6 +17,12 @@ The store polls the events at later steps, on the forward thread, and lands each
 - ``SplitCopy`` (the larger blocks) lands split into each request's own rows, so that a long request never
   keeps the others' rows alive. Splitting costs a copy per request into fresh memory on the forward thread: a
   ``last_prompt`` prefill step of 32 requests at 48 sites took 2.3-3.3 ms of it on an H200 host.
+- A block whose readers all take their rows in parts (a bulk sink) is let go of within about a part, so it
+  is not copied at all: it lands as a ``WholeCopy`` that keeps the pinned memory it was copied into, and the
+  readers' gathers read it there; the memory goes back (to torch's pinned cache, or to the arena) once the
+  last of them is done with it (``_PinnedOwner``). Splitting those blocks was 17% of the forward thread's
+  samples in a sink burst on an H200 host (every token of 64 requests at 16 sites, 2.1 GB). Torch's cache
+  then holds up to about a part per request of pinned memory after such a burst, for the next one.
 
 Blocks over ``PINNED_CACHED_MAX_BYTES`` are copied into ``PinnedArena``, pinned memory kept for them and used
 as a ring, rather than into fresh pinned memory each time.
@@ -31,6 +37,8 @@ interpreter lock than the copy it takes off it.
 """
 
 import logging
+import threading
+import weakref
 from collections import deque
 from collections.abc import Callable
 from functools import partial
@@ -89,11 +97,12 @@ class SplitCopy:
 
 
 class WholeCopy:
-    """A block landed in ordinary memory as a whole; ``part`` is a view of it, taken where the request's rows
-    are gathered."""
+    """A block landed in ordinary memory as a whole (or, ``keep_pinned``, left in the pinned memory it was copied
+    into); ``part`` is a view of it, taken where the request's rows are gathered."""
 
-    def __init__(self, block: torch.Tensor, splits: list[tuple[int, int]]) -> None:
+    def __init__(self, block: torch.Tensor, splits: list[tuple[int, int]], keep_pinned: bool = False) -> None:
         self.splits = splits
+        self.keep_pinned = keep_pinned
         self._pinned: torch.Tensor | None = None
         self._event: torch.cuda.Event | None = None
         self._host: torch.Tensor | None = None
@@ -107,7 +116,12 @@ class WholeCopy:
         return self._host is not None or self._event.query()
 
     def wait(self) -> None:
-        if self._host is None:
+        if self._host is None and self.keep_pinned:
+            self._event.synchronize()
+            array = np.asarray(_PinnedOwner(self._pinned, self._release))
+            self._host, self._array = _tensor_of(array, self._pinned.dtype), array
+            self._pinned = self._event = None
+        elif self._host is None:
             self._event.synchronize()
             # Copied by numpy, not cloned by torch: every torch call gives up the interpreter lock and waits to
             # take it back, which on a loaded engine core's forward thread took tens of microseconds for a
@@ -141,6 +155,17 @@ class WholeCopy:
         assert self._array is not None
         start, stop = self.splits[i]
         return self._array[:, start:stop]
+
+
+class _PinnedOwner:
+    """Pinned memory lent to numpy views: every view of ``np.asarray(owner)`` refers to the owner (numpy
+    refers a view to the object that exposed the memory, not to the intermediate array), so ``release`` runs
+    once the last view is gone, on whichever thread drops it."""
+
+    def __init__(self, pinned: torch.Tensor, release: Callable[[], None]) -> None:
+        self.__array_interface__ = as_array(pinned).__array_interface__
+        self._pinned = pinned  # the memory stays allocated while the owner lives
+        weakref.finalize(self, release)
 
 
 def start_pinned_copy(block: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event, Callable[[], None]]:
@@ -211,12 +236,17 @@ class PinnedArena:
 
     def __init__(self, allocate: Callable[[int], torch.Tensor] | None = None) -> None:
         self._allocate = allocate or (lambda nbytes: torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))
+        self._lock = threading.Lock()  # regions held by views are given back by whichever thread drops them
         self._memory: torch.Tensor | None = None
         self._unavailable = False  # its allocation failed once: not tried again
         self._regions: deque[list] = deque()  # [start, stop, given back], oldest first
 
     def take(self, nbytes: int) -> tuple[torch.Tensor, Callable[[], None]] | None:
         """``nbytes`` of the arena and what gives them back, or None when it has no room for them."""
+        with self._lock:
+            return self._take(nbytes)
+
+    def _take(self, nbytes: int) -> tuple[torch.Tensor, Callable[[], None]] | None:
         if self._memory is None:
             if self._unavailable:
                 return None
@@ -244,9 +274,10 @@ class PinnedArena:
         return self._memory[start: start + nbytes], partial(self._give_back, region)
 
     def _give_back(self, region: list) -> None:
-        region[2] = True
-        while self._regions and self._regions[0][2]:
-            self._regions.popleft()
+        with self._lock:
+            region[2] = True
+            while self._regions and self._regions[0][2]:
+                self._regions.popleft()
 
 
 ARENA = PinnedArena()
@@ -288,9 +319,13 @@ def _tensor_of(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     return tensor.view(dtype) if tensor.dtype != dtype else tensor
 
 
-def to_host(block: torch.Tensor, splits: list[tuple[int, int]], whole: bool = False) -> SplitCopy | WholeCopy:
+def to_host(block: torch.Tensor, splits: list[tuple[int, int]], whole: bool = False,
+            in_parts: bool = False) -> SplitCopy | WholeCopy:
     """``block`` on its way to host memory, split by ``splits``: landed whole when ``whole`` (its readers let go
-    of it soon) or small; else split per request, at once on the CPU, and on the GPU once its copy has landed."""
+    of it soon) or small; left where it lands when ``in_parts`` (its readers all take parts); else split per
+    request, at once on the CPU, and on the GPU once its copy has landed."""
     if whole or _nbytes(block) <= WHOLE_MAX_BYTES:
         return WholeCopy(block, splits)
+    if in_parts:
+        return WholeCopy(block, splits, keep_pinned=True)
     return SplitCopy(splits, block) if block.is_cuda else SplitCopy.landed(block, splits)

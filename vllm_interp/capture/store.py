@@ -16,6 +16,7 @@ past the request's end (an asynchronous scheduler's), which only the final lengt
 on in a part is never handed on again, even if a preempted request computes it anew.
 """
 
+import itertools
 import logging
 import threading
 from collections.abc import Callable, Container, Iterable
@@ -41,6 +42,7 @@ from vllm_interp.uploads import copy_into, to_device
 
 logger = logging.getLogger(__name__)
 MAX_UNCLAIMED_RESULTS = 4096
+GOLDEN_RATIO_FRACTION = 0.6180339887498949  # successive multiples fall evenly over [0, 1) modulo 1
 
 
 @dataclass
@@ -64,7 +66,8 @@ class _Entry:
     last_step: int = -1  # the serial of the last step that read its rows (``CaptureStore.collect``)
     final_length: int | None = None  # the sequence length its caller gave, once it ended (``results``)
     part_bytes: int = 0  # hand its rows on in parts of about this size while it runs (0: whole, at its end)
-    unhanded_rows: int = 0  # rows filed in ``chunks`` (a part is cut when they reach ``part_bytes``)
+    part_due: int = 0  # the bytes of filed rows at which its next part is cut (``part_bytes``, but its second)
+    unhanded_rows: int = 0  # rows filed in ``chunks`` (a part is cut when they reach ``part_due``)
     handed: set[int] = field(default_factory=set)  # positions handed on in parts
     parts: dict[str, list[Future]] = field(default_factory=dict)  # each consumer's results of those parts
 
@@ -309,6 +312,7 @@ class _SteadyReads:
     wants_rows: bool  # some consumer takes whole rows
     reductions: frozenset[RowReduction]
     files_whole: bool  # no request takes parts: landed steps are filed under the batch (``filed``)
+    in_parts: bool  # every request takes parts: a step's copies are let go of within about a part
     stops: np.ndarray | None = None  # each request's computed count after the last step planned
     last_collected: int = -1  # the serial of its last step collected
     filed: list["_StepRows"] = field(default_factory=list)
@@ -351,7 +355,8 @@ class _SteadyReads:
         return cls(plan.req_ids, entries, plan.rows, plan.slot_starts, plan.splits(),
                    sites=_readers_sites(entries), wants_rows=any(entry.wants_rows for entry in entries),
                    reductions=_readers_reductions(entries),
-                   files_whole=not any(entry.part_bytes for entry in entries))
+                   files_whole=not any(entry.part_bytes for entry in entries),
+                   in_parts=all(entry.part_bytes for entry in entries))
 
 
 def _readers_sites(entries: Iterable[_Entry]) -> frozenset[tuple[int, int]]:
@@ -391,6 +396,7 @@ class CaptureStore:
         self._collected = 0  # steps collected so far; the next one's serial
         self._filed = 0  # steps filed so far: every step with a smaller serial has landed
         self._ending: dict[str, _Entry] = {}  # ended, waiting for the copies of their steps to land
+        self._part_phases = (k * GOLDEN_RATIO_FRACTION for k in itertools.count())  # see ``_hand_part``
         self._armed_rows: torch.Tensor | None = None  # graph read buffer entries the last step set
         self._last_rows: tuple[np.ndarray, torch.Tensor] | None = None  # the last planned rows, and on the device
         self._steady: _SteadyReads | None = None  # the last step's plan, when the next one may repeat it
@@ -430,7 +436,7 @@ class CaptureStore:
                            reductions=frozenset(reductions - {None}))
             # In parts only when every consumer of the request takes parts: each part lets go of its rows.
             part_sizes = [self.consumers[name].part_bytes(spec.options) for name, spec in specs.items()]
-            entry.part_bytes = min(part_sizes) if part_sizes and all(part_sizes) else 0
+            entry.part_bytes = entry.part_due = min(part_sizes) if part_sizes and all(part_sizes) else 0
             if entry.key is not None:
                 self._by_key[entry.key] = req_id
         self._entries[req_id] = entry
@@ -578,7 +584,7 @@ class CaptureStore:
         if steady is not None:  # its requests' last steps are noted when it is settled
             self.read_steps["steady"] += 1
             steady.last_collected = self._collected
-            splits, whole = steady.splits, False
+            splits, whole, in_parts = steady.splits, False, steady.in_parts
             wants_rows, reductions = steady.wants_rows, steady.reductions
         else:
             splits = plan.splits()
@@ -593,11 +599,12 @@ class CaptureStore:
             for entry in ending:
                 self._end_while_running(entry, None)
             whole = len(ending) == len(entries)
+            in_parts = bool(entries) and all(entry.part_bytes for entry in entries)
             wants_rows, reductions = any(e.wants_rows for e in entries), _readers_reductions(entries)
         self._collected += 1
         # Whole rows leave the device only when some request takes them; summaries are reduced here, on it.
-        rows = to_host(block, splits, whole) if wants_rows else None
-        reduced = {r: to_host(r.reduce(block), splits, whole) for r in reductions}
+        rows = to_host(block, splits, whole, in_parts) if wants_rows else None
+        reduced = {r: to_host(r.reduce(block), splits, whole, in_parts) for r in reductions}
         step = _StepRows(rows, reduced, sites, plan)
         if steady is not None and steady.files_whole and all(
                 isinstance(copy, WholeCopy) for copy in step.copies().values()):
@@ -677,7 +684,7 @@ class CaptureStore:
                 entry.chunks.append((step, k, {key: copy.part(k) for key, copy in large.items()} if large else None))
                 if entry.part_bytes and req_id not in ending:
                     entry.unhanded_rows += len(step.plan.positions_of(k))
-                    if entry.unhanded_rows * self._position_bytes(entry) >= entry.part_bytes and len(entry.chunks) > 1:
+                    if entry.unhanded_rows * self._position_bytes(entry) >= entry.part_due and len(entry.chunks) > 1:
                         self._hand_part(entry)
 
     def _position_bytes(self, entry: _Entry) -> int:
@@ -686,7 +693,16 @@ class CaptureStore:
         return len(entry.sites) * table.shape[-1] * table.element_size()
 
     def _hand_part(self, entry: _Entry) -> None:
-        """Hand a running request's landed rows, but its newest step's, to its consumers as its next part."""
+        """Hand a running request's landed rows, but its newest step's, to its consumers as its next part.
+
+        Requests that decode together reach the part size at the same step, so their parts would come in a
+        burst: on an H200 host 64 every-token requests each handed 8 MiB at once, past their consumer's
+        queue, and the engine waited for the consumer, which then idled until the next burst (py-spy:
+        waiting for room was 17% of the forward thread's samples, the consumer's process idle 70% of the
+        phase). A request's second part is therefore cut later by a fraction of a part, a fraction taken in
+        turn from a golden-ratio sequence, so that the parts of a batch come spread over the steps."""
+        first = not entry.handed
+        entry.part_due = entry.part_bytes + (int(next(self._part_phases) % 1.0 * entry.part_bytes) if first else 0)
         chunks, entry.chunks = entry.chunks[:-1], entry.chunks[-1:]
         step, k, _ = entry.chunks[0]
         entry.unhanded_rows = len(step.plan.positions_of(k))
