@@ -20,7 +20,7 @@ The store polls the events at later steps, on the forward thread, and lands each
 - A block whose readers all take their rows in parts (a bulk sink) is let go of within about a part, so it
   is not copied at all: it lands as a ``WholeCopy`` that keeps the pinned memory it was copied into, and the
   readers' gathers read it there; the memory goes back (to torch's pinned cache, or to the arena) once the
-  last of them is done with it (``_PinnedOwner``). Splitting those blocks was 17% of the forward thread's
+  last of them is done with it (``_PinnedOwner``). Splitting those blocks was 19% of the forward thread's
   samples in a sink burst on an H200 host (every token of 64 requests at 16 sites, 2.1 GB). Torch's cache
   then holds up to about a part per request of pinned memory after such a burst, for the next one.
 
@@ -165,7 +165,8 @@ class _PinnedOwner:
     def __init__(self, pinned: torch.Tensor, release: Callable[[], None]) -> None:
         self.__array_interface__ = as_array(pinned).__array_interface__
         self._pinned = pinned  # the memory stays allocated while the owner lives
-        weakref.finalize(self, release)
+        # Not at interpreter exit: the memory goes with the process, and torch may be half torn down by then.
+        weakref.finalize(self, release).atexit = False
 
 
 def start_pinned_copy(block: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event, Callable[[], None]]:

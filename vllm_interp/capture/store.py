@@ -670,9 +670,10 @@ class CaptureStore:
 
     def _file(self, step: _StepRows) -> None:
         """File a landed step under each request that read in it. Large copies landed split per request: each
-        request takes its own parts and the step lets go of them, so a long request never keeps
-        the others' rows alive. Small ones stay with the step, read as views when a request's rows are gathered:
-        filing an every-token step of small summaries costs one tuple per request."""
+        request takes its own parts and the step lets go of them, so a long request never keeps the others'
+        rows alive. Small ones, and those left where they landed for readers that all take parts, stay with
+        the step, read as views when a request's rows are gathered: filing an every-token step of small
+        summaries costs one tuple per request."""
         run = step.run
         if run is not None and not run.settled:
             run.filed.append(step)  # under each of its requests when it is settled
