@@ -413,8 +413,8 @@ class CaptureStore:
         """Run each consumer's row reduction once on a row of the model's width and dtype. Its first call may
         build a kernel (``logging``'s statistics: Triton compiles one, about 0.4 s of an H200 host's forward
         thread, during which no step runs): at start-up, not in the first step that captures."""
-        table = self.bank.steer_table
-        row = torch.zeros(1, table.shape[-1], dtype=table.dtype, device=table.device)
+        hidden, dtype, device = self.bank.residual
+        row = torch.zeros(1, hidden, dtype=dtype, device=device)
         for reduction in {runner.row_reduction for runner in self.consumers.values()} - {None}:
             reduction.reduce(row)
 
@@ -690,8 +690,8 @@ class CaptureStore:
 
     def _position_bytes(self, entry: _Entry) -> int:
         """The bytes of one position's rows at the request's sites."""
-        table = self.bank.steer_table
-        return len(entry.sites) * table.shape[-1] * table.element_size()
+        hidden, dtype, _ = self.bank.residual
+        return len(entry.sites) * hidden * dtype.itemsize
 
     def _hand_part(self, entry: _Entry) -> None:
         """Hand a running request's landed rows, but its newest step's, to its consumers as its next part.
@@ -839,8 +839,7 @@ class CaptureStore:
         picked = columns.columns_of(positions)
         every_column = len(picked) == columns.count and bool((picked == np.arange(columns.count)).all())
         reduction = self.consumers[name].row_reduction
-        table = self.bank.steer_table
-        width, dtype = (reduction.width, torch.float32) if reduction else (table.shape[-1], table.dtype)
+        width, dtype = (reduction.width, torch.float32) if reduction else self.bank.residual[:2]
         meta = CaptureMeta(
             request_id=self.external_id(entry.req_id), tag=spec.tag, model=self.model,
             prompt_len=entry.prompt_len, positions=positions.tolist(),

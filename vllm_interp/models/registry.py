@@ -140,6 +140,11 @@ class SiteBank:
     def graph_read_rows(self) -> int:
         return self.read_out.shape[2]
 
+    @property
+    def residual(self) -> tuple[int, torch.dtype, torch.device]:
+        """The residual stream's width, dtype and device, which every buffer of rows here shares."""
+        return self.read_out.shape[-1], self.read_out.dtype, self.read_out.device
+
     @cached_property
     def layer_index(self) -> dict[int, int]:
         """Held layer -> its index in the per-layer buffers (layers other stages hold are absent)."""
