@@ -216,6 +216,30 @@ def test_the_parts_of_requests_decoding_together_are_spread_over_the_steps():
     store.close()
 
 
+def test_a_block_whose_readers_all_take_parts_is_read_where_it_landed(block_landing, monkeypatch):
+    """Its readers let go of it within about a part, so it is not split per request; one large enough for the
+    pinned arena (whose ring waits for its oldest region) only when each reader's rows in it fill a part."""
+    store = make_store(consumer_class=InlineInLongParts)
+    store.lookup("short", extra_args("short", "all"), prompt_len=3)
+    store.lookup("long", extra_args("long", "all"), prompt_len=16)
+
+    def landing(req_ids: list[str], tokens: list[int]) -> str:
+        layout = BatchLayout.of(req_ids, np.array([0, *np.cumsum(tokens)]), np.zeros(len(req_ids), dtype=np.int64))
+        plan = store.plan_reads(layout)
+        reads = store.site_reads(plan, torch.device("cpu"), sum(tokens))
+        reads.out[(1, 2)] = torch.randn(sum(tokens), HIDDEN).index_select(0, reads.rows)
+        store.collect(plan, reads)
+        copy = store._pending[-1].rows
+        return "split" if isinstance(copy, host_copies.SplitCopy) else "held" if copy.keep_pinned else "whole"
+
+    small = block_landing == "small_blocks_whole"  # these blocks then land whole, as views
+    assert landing(["short", "long"], [3, 16]) == ("whole" if small else "held")
+    monkeypatch.setattr(host_copies, "PINNED_CACHED_MAX_BYTES", 0)  # every block takes the arena
+    assert landing(["long"], [16]) == ("whole" if small else "held")  # 16 rows: a whole part
+    assert landing(["short", "long"], [3, 16]) == ("whole" if small else "split")  # 3 rows of 16: held longer
+    store.close()
+
+
 def test_steps_without_wanted_positions_read_nothing_and_unknown_keys_answer_empty():
     store = make_store()
     store.lookup("r", extra_args("k", "last_prompt"), prompt_len=3)

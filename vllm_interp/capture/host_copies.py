@@ -22,7 +22,9 @@ The store polls the events at later steps, on the forward thread, and lands each
   readers' gathers read it there; the memory goes back (to torch's pinned cache, or to the arena) once the
   last of them is done with it (``_PinnedOwner``). Splitting those blocks was 19% of the forward thread's
   samples in a sink burst on an H200 host (every token of 64 requests at 16 sites, 2.1 GB). Torch's cache
-  then holds up to about a part per request of pinned memory after such a burst, for the next one.
+  then holds up to about a part per request of pinned memory after such a burst, for the next one. A block
+  in the arena is held so only when its readers cut their parts at the next step (the store decides,
+  ``takes_arena``): the ring waits for its oldest region.
 
 Blocks over ``PINNED_CACHED_MAX_BYTES`` are copied into ``PinnedArena``, pinned memory kept for them and used
 as a ring, rather than into fresh pinned memory each time.
@@ -174,7 +176,7 @@ def start_pinned_copy(block: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Eve
     host tensor, an event that completes when it has landed, and what to call once the host tensor has been
     copied out of (its memory and the event are then reused). A large block goes to the arena, when it has room."""
     nbytes = _nbytes(block)
-    taken = ARENA.take(nbytes) if nbytes > PINNED_CACHED_MAX_BYTES else None
+    taken = ARENA.take(nbytes) if takes_arena(block) else None
     if taken is not None:
         memory, release = taken
         pinned = memory.view(block.dtype).view(block.shape)
@@ -318,6 +320,12 @@ def _tensor_of(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     """``as_array``'s inverse: the array's memory as a tensor of ``dtype``."""
     tensor = torch.from_numpy(array)
     return tensor.view(dtype) if tensor.dtype != dtype else tensor
+
+
+def takes_arena(block: torch.Tensor) -> bool:
+    """Whether a copy of ``block`` goes to the pinned arena (when it has room), whose ring waits for its oldest
+    region: such a block is held only briefly."""
+    return _nbytes(block) > PINNED_CACHED_MAX_BYTES
 
 
 def to_host(block: torch.Tensor, splits: list[tuple[int, int]], whole: bool = False,
