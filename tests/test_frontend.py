@@ -55,10 +55,10 @@ def test_collectors_awaiting_together_share_each_round_and_get_their_own_keys():
 
 
 def test_streams_ending_together_share_the_first_round_and_new_keys_are_asked_again_soon():
-    """Callers arriving while the first round gathers join it; a key's first rounds follow each other at the
-    short interval (here the long one would not end within the test)."""
-    workers = Workers(ready_after=ResultsPoller.FIRST_ROUNDS)
-    poller = ResultsPoller(workers.rpc, interval_s=60.0, first_interval_s=0.001, gather_s=0.05)
+    """Callers arriving while the first round gathers join it; a key's rounds follow each other at the short
+    interval while it is new (here the long one would not end within the test)."""
+    workers = Workers(ready_after=5)
+    poller = ResultsPoller(workers.rpc, interval_s=60.0, first_interval_s=0.001, first_window_s=5.0, gather_s=0.05)
 
     async def main():
         first = asyncio.create_task(poller.collect(_collector("a")))
@@ -68,7 +68,15 @@ def test_streams_ending_together_share_the_first_round_and_new_keys_are_asked_ag
     started = time.monotonic()
     asyncio.run(main())
     assert time.monotonic() - started < 10
-    assert workers.calls == [{"a", "b"}] * ResultsPoller.FIRST_ROUNDS
+    assert workers.calls == [{"a", "b"}] * 5
+
+
+def test_keys_waiting_past_the_first_window_are_asked_at_the_long_interval():
+    workers = Workers(ready_after=3)
+    poller = ResultsPoller(workers.rpc, interval_s=0.2, first_interval_s=0.001, first_window_s=0.0, gather_s=0.0)
+    started = time.monotonic()
+    asyncio.run(poller.collect(_collector("a")))
+    assert workers.calls == [{"a"}] * 3 and time.monotonic() - started >= 0.4
 
 
 def test_a_caller_that_went_away_is_dropped_and_a_failed_round_fails_its_callers():

@@ -160,7 +160,7 @@ class _Waiter:
     collector: ResultCollector
     deadline: float
     done: asyncio.Future
-    rounds: int = 0  # rounds that asked for its keys
+    since: float  # when its caller began to wait
 
 
 class ResultsPoller:
@@ -171,10 +171,10 @@ class ResultsPoller:
     once or twice per finishing request. A round that starts from idle waits ``gather_s`` first, so that the
     streams that finished in the same engine step (each reaches its end of stream a few event-loop turns after
     the one before) join it rather than the next round. Between rounds: ``first_interval_s`` while some
-    caller's keys have been asked for fewer than ``FIRST_ROUNDS`` times (the first round hands a request that
-    just ended to its consumers, which take a few milliseconds), ``interval_s`` after that."""
-
-    FIRST_ROUNDS = 3
+    caller has waited less than ``first_window_s`` (the first round hands a request that just ended to its
+    consumers; 64 every-token requests ending together took the worker 10-25 ms to answer, and with three
+    short rounds before the long interval an H200 host's streams waited 36-57 ms), ``interval_s`` after
+    that, so that keys whose consumers take long are not asked for at the short interval."""
 
     @classmethod
     def for_engine(cls, engine_client: Any) -> "ResultsPoller":
@@ -182,9 +182,10 @@ class ResultsPoller:
         return cls(lambda pending, wait_s: engine_client.collective_rpc(RESULTS_RPC, args=(pending, wait_s)))
 
     def __init__(self, rpc: Callable[[dict[str, int], float], Awaitable[list]], interval_s: float = 0.02,
-                 first_interval_s: float = 0.005, gather_s: float = 0.002) -> None:
+                 first_interval_s: float = 0.005, first_window_s: float = 0.06, gather_s: float = 0.002) -> None:
         self._rpc = rpc  # (capture key -> final length, seconds the workers may wait) -> per-rank answers
         self._interval_s, self._first_interval_s, self._gather_s = interval_s, first_interval_s, gather_s
+        self._first_window_s = first_window_s
         self._waiting: list[_Waiter] = []
         self._task: asyncio.Task | None = None
 
@@ -193,7 +194,8 @@ class ResultsPoller:
         if not collector.pending:
             return
         done = asyncio.get_running_loop().create_future()
-        self._waiting.append(_Waiter(collector, time.monotonic() + timeout_s, done))
+        now = time.monotonic()
+        self._waiting.append(_Waiter(collector, now + timeout_s, done, since=now))
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._poll())
         await done
@@ -212,12 +214,11 @@ class ResultsPoller:
             now = time.monotonic()
             for waiter in round_:
                 collector = waiter.collector
-                waiter.rounds += 1
                 collector.add([{k: v for k, v in answers.items() if k in collector.lengths} for answers in per_rank])
                 if not collector.pending or now >= waiter.deadline or waiter.done.done():  # done: caller went away
                     self._settle(waiter, None)
             if self._waiting:
-                early = any(waiter.rounds < self.FIRST_ROUNDS for waiter in self._waiting)
+                early = any(now - waiter.since < self._first_window_s for waiter in self._waiting)
                 await asyncio.sleep(self._first_interval_s if early else self._interval_s)
 
     def _settle(self, waiter: _Waiter, error: Exception | None) -> None:
