@@ -30,7 +30,7 @@ import torch
 
 from vllm_interp.capture.consumer import CaptureMeta, PendingCapture, RowReduction
 from vllm_interp.capture.dispatch import FORWARD, ConsumerRunner
-from vllm_interp.capture.host_copies import SplitCopy, WholeCopy, as_array, takes_arena, to_host
+from vllm_interp.capture.host_copies import SplitCopy, SteppedCopy, WholeCopy, as_array, takes_arena, to_host
 from vllm_interp.capture.results import ConsumerResult, merge_consumer_results
 from vllm_interp.capture.spec import CaptureSpec, spec_from_wire
 from vllm_interp.hooks import HOOK_INDEX, HOOKS, site_name
@@ -224,12 +224,15 @@ def _gather(chunks: list["_Chunk"], sites: list[tuple[int, int]], columns: np.nd
         torch.index_select(rows, 1, torch.from_numpy(columns), out=block)
 
 
-def _part_tensor(source: torch.Tensor | SplitCopy | WholeCopy, k: int) -> torch.Tensor:
+_Copy = SplitCopy | WholeCopy | SteppedCopy  # a step's rows (or summaries) in host memory, or a batch's steps'
+
+
+def _part_tensor(source: torch.Tensor | _Copy, k: int) -> torch.Tensor:
     """A chunk's rows: its request's own tensor, or its part of the step's copy."""
     return source if isinstance(source, torch.Tensor) else source.part(k)
 
 
-def _part_array(source: torch.Tensor | SplitCopy | WholeCopy, k: int) -> np.ndarray:
+def _part_array(source: torch.Tensor | _Copy, k: int) -> np.ndarray:
     return as_array(source) if isinstance(source, torch.Tensor) else source.array_part(k)
 
 
@@ -238,17 +241,17 @@ class _StepRows:
     """A step's rows (and row summaries) on their way to host memory, then held for the requests that read
     in it until each finishes."""
 
-    rows: SplitCopy | WholeCopy | None  # [union sites, rows, hidden]; None when no request takes whole rows
-    reduced: dict[RowReduction, SplitCopy | WholeCopy]  # [union sites, rows, width]
+    rows: _Copy | None  # [union sites, rows, hidden]; None when no request takes whole rows
+    reduced: dict[RowReduction, _Copy]  # [union sites, rows, width]
     sites: tuple[tuple[int, int], ...]  # in the rows' order
     plan: ReadPlan
     run: "_SteadyReads | None" = None  # the steady batch it is filed under when it lands, if any
 
-    def copy(self, reduction: RowReduction | None) -> SplitCopy | WholeCopy:
+    def copy(self, reduction: RowReduction | None) -> _Copy:
         """The copy of the rows (None) or of a reduction."""
         return self.rows if reduction is None else self.reduced[reduction]
 
-    def copies(self) -> dict[RowReduction | None, SplitCopy | WholeCopy]:
+    def copies(self) -> dict[RowReduction | None, _Copy]:
         return {**({None: self.rows} if self.rows is not None else {}), **self.reduced}
 
     def done(self) -> bool:
@@ -272,8 +275,8 @@ class _StepRows:
         positions = np.stack([step.plan.positions for step in steps], axis=1).reshape(-1)
         plan = ReadPlan(rows=np.empty(0, np.int64), positions=positions, req_ids=first.plan.req_ids,
                         slot_starts=np.arange(0, readers * count + 1, count))
-        rows = WholeCopy.interleaved([step.rows for step in steps]) if first.rows is not None else None
-        reduced = {key: WholeCopy.interleaved([step.reduced[key] for step in steps]) for key in first.reduced}
+        rows = SteppedCopy([step.rows for step in steps]) if first.rows is not None else None
+        reduced = {key: SteppedCopy([step.reduced[key] for step in steps]) for key in first.reduced}
         return cls(rows, reduced, first.sites, plan)
 
     def hand_out(self) -> dict[RowReduction | None, SplitCopy]:
