@@ -218,13 +218,14 @@ def test_the_parts_of_requests_decoding_together_are_spread_over_the_steps():
 
 def test_a_block_whose_readers_all_take_parts_is_read_where_it_landed(block_landing, monkeypatch):
     """Its readers let go of it within about a part, so it is not split per request; one large enough for the
-    pinned arena (whose ring waits for its oldest region) only when each reader's rows in it fill a part."""
+    pinned arena (whose ring waits for its oldest region) only when each reader's rows in it fill a part,
+    which a steady batch's decode step never does."""
     store = make_store(consumer_class=InlineInLongParts)
     store.lookup("short", extra_args("short", "all"), prompt_len=3)
     store.lookup("long", extra_args("long", "all"), prompt_len=16)
 
-    def landing(req_ids: list[str], tokens: list[int]) -> str:
-        layout = BatchLayout.of(req_ids, np.array([0, *np.cumsum(tokens)]), np.zeros(len(req_ids), dtype=np.int64))
+    def landing(req_ids: list[str], tokens: list[int], starts: tuple[int, ...] = (0, 0)) -> str:
+        layout = BatchLayout.of(req_ids, np.array([0, *np.cumsum(tokens)]), np.array(starts[: len(req_ids)]))
         plan = store.plan_reads(layout)
         reads = store.site_reads(plan, torch.device("cpu"), sum(tokens))
         reads.out[(1, 2)] = torch.randn(sum(tokens), HIDDEN).index_select(0, reads.rows)
@@ -237,6 +238,9 @@ def test_a_block_whose_readers_all_take_parts_is_read_where_it_landed(block_land
     monkeypatch.setattr(host_copies, "PINNED_CACHED_MAX_BYTES", 0)  # every block takes the arena
     assert landing(["long"], [16]) == ("whole" if small else "held")  # 16 rows: a whole part
     assert landing(["short", "long"], [3, 16]) == ("whole" if small else "split")  # 3 rows of 16: held longer
+    for start in range(3):  # decode steps, the later ones a steady batch's: a row each, never a part
+        assert landing(["short", "long"], [1, 1], (3 + start, 16 + start)) == ("whole" if small else "split")
+    assert store.read_steps["steady"] > 0
     store.close()
 
 

@@ -118,20 +118,19 @@ class WholeCopy:
         return self._host is not None or self._event.query()
 
     def wait(self) -> None:
-        if self._host is None and self.keep_pinned:
-            self._event.synchronize()
+        if self._host is not None:
+            return
+        self._event.synchronize()
+        if self.keep_pinned:  # given back once the last view of it is gone
             array = np.asarray(_PinnedOwner(self._pinned, self._release))
-            self._host, self._array = _tensor_of(array, self._pinned.dtype), array
-            self._pinned = self._event = None
-        elif self._host is None:
-            self._event.synchronize()
+        else:
             # Copied by numpy, not cloned by torch: every torch call gives up the interpreter lock and waits to
             # take it back, which on a loaded engine core's forward thread took tens of microseconds for a
             # clone of a few KiB (py-spy on an H200 host, every-token statistics).
             array = as_array(self._pinned).copy()
-            self._host, self._array = _tensor_of(array, self._pinned.dtype), array
-            self._pinned = self._event = None
             self._release()
+        self._host, self._array = _tensor_of(array, self._pinned.dtype), array
+        self._pinned = self._event = None
 
     def _land(self, host: torch.Tensor) -> None:
         self._host, self._array = host, as_array(host)
@@ -176,9 +175,9 @@ class SteppedCopy:
 
 
 class _PinnedOwner:
-    """Pinned memory lent to numpy views: every view of ``np.asarray(owner)`` refers to the owner (numpy
-    refers a view to the object that exposed the memory, not to the intermediate array), so ``release`` runs
-    once the last view is gone, on whichever thread drops it."""
+    """Pinned memory lent to numpy views: ``np.asarray(owner)`` refers to the owner, and every view taken from
+    that array (or from a tensor made of it) refers to the array in turn, so ``release`` runs once the last
+    view is gone, on whichever thread drops it."""
 
     def __init__(self, pinned: torch.Tensor, release: Callable[[], None]) -> None:
         self.__array_interface__ = as_array(pinned).__array_interface__

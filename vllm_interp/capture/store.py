@@ -603,13 +603,13 @@ class CaptureStore:
                 self._end_while_running(entry, None)
             whole = len(ending) == len(entries)
             in_parts = bool(entries) and all(entry.part_bytes for entry in entries)
-            if in_parts and takes_arena(block):
-                # The arena's ring waits for its oldest region, so a block held there for long would send every
-                # later large block to fresh pinned memory: it is held only when each reader's rows in it fill
-                # a part, which then goes out as soon as the next step lands (a burst's prefill steps).
-                in_parts = all(len(plan.positions_of(k)) * self._position_bytes(entry) >= entry.part_due
-                               for k, req_id in enumerate(plan.req_ids) if (entry := self._entries.get(req_id)))
             wants_rows, reductions = any(e.wants_rows for e in entries), _readers_reductions(entries)
+        if in_parts and takes_arena(block):
+            # The arena's ring waits for its oldest region, so a block held there for long would send every later
+            # large block to fresh pinned memory: it is held only when each reader's rows in it fill a part,
+            # which then goes out as soon as the next step lands (a burst's prefill steps; never a decode step).
+            in_parts = all(len(plan.positions_of(k)) * self._position_bytes(entry) >= entry.part_due
+                           for k, req_id in enumerate(plan.req_ids) if (entry := self._entries.get(req_id)))
         self._collected += 1
         # Whole rows leave the device only when some request takes them; summaries are reduced here, on it.
         rows = to_host(block, splits, whole, in_parts) if wants_rows else None
