@@ -4,6 +4,8 @@ arena large blocks are copied into: a ring whose regions go back oldest first, w
 still in use and says when it has no room (the block then takes fresh pinned memory), as it does for good when
 the arena itself cannot be pinned."""
 
+import threading
+
 import numpy as np
 import torch
 
@@ -98,16 +100,24 @@ def test_a_cpu_engines_small_blocks_land_whole_and_large_ones_split_per_request(
 
 def test_held_pinned_memory_goes_back_once_the_last_view_of_it_is_gone():
     """A block left in the pinned memory it landed in gives that memory back only when no request's view of
-    it is left: not when the copy, its array or its first views are dropped."""
+    it is left (not when the copy, its array or its first views are dropped), and then on the forward thread:
+    a consumer's thread that drops the last view only queues it."""
     released = []
     owner = host_copies._PinnedOwner(torch.arange(24, dtype=torch.bfloat16).reshape(2, 3, 4),
-                                     lambda: released.append(True))
+                                     lambda: released.append(threading.current_thread()))
     array = np.asarray(owner)
     first, second = array[:, 0:1], host_copies._tensor_of(array[:, 1:3], torch.bfloat16)
     del owner, array
+    host_copies.give_back_dropped()
     assert not released
     del first
+    host_copies.give_back_dropped()
     assert not released
     assert second[1, 1].tolist() == [20.0, 21.0, 22.0, 23.0]
+    consumer = threading.Thread(target=lambda views: views.clear(), args=([second],))
     del second
-    assert released == [True]
+    consumer.start()
+    consumer.join()
+    assert not released, "dropped on a consumer's thread: given back only by the forward thread"
+    host_copies.give_back_dropped()
+    assert released == [threading.current_thread()]

@@ -218,8 +218,9 @@ def test_the_parts_of_requests_decoding_together_are_spread_over_the_steps():
 
 def test_a_block_whose_readers_all_take_parts_is_read_where_it_landed(block_landing, monkeypatch):
     """Its readers let go of it within about a part, so it is not split per request; one large enough for the
-    pinned arena (whose ring waits for its oldest region) only when each reader's rows in it fill a part,
-    which a steady batch's decode step never does."""
+    pinned arena (whose ring waits for its oldest region) is held for the readers whose rows in it fill a
+    part, and the others get their own copies when it lands (a request decoding in a prefill step); it is
+    split when no reader fills a part, as in a steady batch's decode step."""
     store = make_store(consumer_class=InlineInLongParts)
     store.lookup("short", extra_args("short", "all"), prompt_len=3)
     store.lookup("long", extra_args("long", "all"), prompt_len=16)
@@ -237,7 +238,16 @@ def test_a_block_whose_readers_all_take_parts_is_read_where_it_landed(block_land
     assert landing(["short", "long"], [3, 16]) == ("whole" if small else "held")
     monkeypatch.setattr(host_copies, "PINNED_CACHED_MAX_BYTES", 0)  # every block takes the arena
     assert landing(["long"], [16]) == ("whole" if small else "held")  # 16 rows: a whole part
-    assert landing(["short", "long"], [3, 16]) == ("whole" if small else "split")  # 3 rows of 16: held longer
+    assert landing(["short", "long"], [3, 16]) == ("whole" if small else "held")  # "short": 3 rows of 16
+    held = store._pending[-1]
+    store._drain()
+    short_step, _, own = store._entries["short"].chunks[-1]
+    long_step, _, _ = store._entries["long"].chunks[-1]
+    assert long_step is held
+    if not small:  # "short"'s rows are its own: its chunk keeps nothing of the held block
+        assert short_step is not held and short_step.rows is None
+        assert torch.equal(own[None], held.rows.part(0))
+        assert not np.shares_memory(own[None].numpy(), held.rows.part(0).numpy())
     for start in range(3):  # decode steps, the later ones a steady batch's: a row each, never a part
         assert landing(["short", "long"], [1, 1], (3 + start, 16 + start)) == ("whole" if small else "split")
     assert store.read_steps["steady"] > 0

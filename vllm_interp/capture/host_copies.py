@@ -20,11 +20,12 @@ The store polls the events at later steps, on the forward thread, and lands each
 - A block whose readers all take their rows in parts (a bulk sink) is let go of within about a part, so it
   is not copied at all: it lands as a ``WholeCopy`` that keeps the pinned memory it was copied into, and the
   readers' gathers read it there; the memory goes back (to torch's pinned cache, or to the arena) once the
-  last of them is done with it (``_PinnedOwner``). Splitting those blocks was 19% of the forward thread's
-  samples in a sink burst on an H200 host (every token of 64 requests at 16 sites, 2.1 GB). Torch's cache
-  then holds up to about a part per request of pinned memory after such a burst, for the next one. A block
-  in the arena is held so only when its readers cut their parts at the next step (the store decides,
-  ``takes_arena``): the ring waits for its oldest region.
+  last of them is done with it, on the forward thread at its next copy (``_PinnedOwner``). Splitting those
+  blocks was 19% of the forward thread's samples in a sink burst on an H200 host (every token of 64
+  requests at 16 sites, 2.1 GB). Torch's cache then holds up to about a part per request of pinned memory
+  after such a burst, for the next one. A block in the arena is held so only for readers that cut their
+  parts at the next step, the others' rows copied out of it when it lands (the store decides,
+  ``takes_arena``; ``WholeCopy.copies_of``): the ring waits for its oldest region.
 
 Blocks over ``PINNED_CACHED_MAX_BYTES`` are copied into ``PinnedArena``, pinned memory kept for them and used
 as a ring, rather than into fresh pinned memory each time.
@@ -140,6 +141,13 @@ class WholeCopy:
         start, stop = self.splits[i]
         return self._host[:, start:stop]
 
+    def copies_of(self, indices: list[int]) -> dict[int, torch.Tensor]:
+        """Own copies of the parts ``indices`` (after ``wait``), which keep nothing of this block alive."""
+        if not indices:
+            return {}
+        assert self._host is not None
+        return dict(zip(indices, split_copies(self._host, [self.splits[i] for i in indices]), strict=True))
+
     def array_part(self, i: int) -> np.ndarray:
         """``part(i)`` as an array: a request's rows are gathered from one such view per step it read in, and
         slicing a tensor costs several microseconds to an array's fraction of one."""
@@ -176,20 +184,37 @@ class SteppedCopy:
 
 class _PinnedOwner:
     """Pinned memory lent to numpy views: ``np.asarray(owner)`` refers to the owner, and every view taken from
-    that array (or from a tensor made of it) refers to the array in turn, so ``release`` runs once the last
-    view is gone, on whichever thread drops it."""
+    that array (or from a tensor made of it) refers to the array in turn. Once the last view is gone, on
+    whichever thread drops it, the memory and ``release`` are queued for the forward thread, which gives them
+    back when it next copies a block (``give_back_dropped``): freeing pinned memory that a copy used records a
+    CUDA event in torch's pinned cache (and a large block's ``release`` empties that cache), and CUDA calls
+    from a consumer's thread slow every CUDA call of the forward thread (see the module docstring)."""
 
     def __init__(self, pinned: torch.Tensor, release: Callable[[], None]) -> None:
         self.__array_interface__ = as_array(pinned).__array_interface__
-        self._pinned = pinned  # the memory stays allocated while the owner lives
-        # Not at interpreter exit: the memory goes with the process, and torch may be half torn down by then.
-        weakref.finalize(self, release).atexit = False
+        # The finalizer's arguments keep the memory allocated while the owner lives. Not at interpreter exit:
+        # the memory goes with the process, and torch may be half torn down by then.
+        weakref.finalize(self, _DROPPED.append, (pinned, release)).atexit = False
+
+
+# Held pinned memory whose last view is gone, with what gives it back: appended on any thread (a deque's
+# append is atomic), given back on the forward thread.
+_DROPPED: deque[tuple[torch.Tensor, Callable[[], None]]] = deque()
+
+
+def give_back_dropped() -> None:
+    """Give back the held pinned memory whose views are all gone (on the forward thread: see ``_PinnedOwner``)."""
+    while _DROPPED:
+        pinned, release = _DROPPED.popleft()
+        del pinned  # back to torch's pinned cache, or, from the arena, nothing until ``release``
+        release()
 
 
 def start_pinned_copy(block: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event, Callable[[], None]]:
     """Queue a copy of ``block`` into pinned host memory on the current stream, without waiting; returns the
     host tensor, an event that completes when it has landed, and what to call once the host tensor has been
     copied out of (its memory and the event are then reused). A large block goes to the arena, when it has room."""
+    give_back_dropped()  # first, so that a block reuses what was given back
     nbytes = _nbytes(block)
     taken = ARENA.take(nbytes) if takes_arena(block) else None
     if taken is not None:

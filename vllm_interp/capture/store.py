@@ -246,6 +246,8 @@ class _StepRows:
     sites: tuple[tuple[int, int], ...]  # in the rows' order
     plan: ReadPlan
     run: "_SteadyReads | None" = None  # the steady batch it is filed under when it lands, if any
+    # Readers (indices) given their own copies of their rows when it lands, out of a block held for the others.
+    copied_out: frozenset[int] = frozenset()
 
     def copy(self, reduction: RowReduction | None) -> _Copy:
         """The copy of the rows (None) or of a reduction."""
@@ -604,17 +606,23 @@ class CaptureStore:
             whole = len(ending) == len(entries)
             in_parts = bool(entries) and all(entry.part_bytes for entry in entries)
             wants_rows, reductions = any(e.wants_rows for e in entries), _readers_reductions(entries)
+        copied_out: frozenset[int] = frozenset()
         if in_parts and takes_arena(block):
             # The arena's ring waits for its oldest region, so a block held there for long would send every later
-            # large block to fresh pinned memory: it is held only when each reader's rows in it fill a part,
-            # which then goes out as soon as the next step lands (a burst's prefill steps; never a decode step).
-            in_parts = all(len(plan.positions_of(k)) * self._position_bytes(entry) >= entry.part_due
-                           for k, req_id in enumerate(plan.req_ids) if (entry := self._entries.get(req_id)))
+            # large block to fresh pinned memory: it is held for the readers whose rows in it fill a part, which
+            # then goes out as soon as the next step lands (a burst's prefill steps; never a decode step). The
+            # others' rows (requests decoding in a prefill step) are copied out of it when it lands; when no
+            # reader fills a part, it is split as any large block.
+            copied_out = frozenset(
+                k for k, req_id in enumerate(plan.req_ids) if (entry := self._entries.get(req_id))
+                and len(plan.positions_of(k)) * self._position_bytes(entry) < entry.part_due)
+            in_parts = len(copied_out) < len(plan.req_ids)
+            copied_out = copied_out if in_parts else frozenset()
         self._collected += 1
         # Whole rows leave the device only when some request takes them; summaries are reduced here, on it.
         rows = to_host(block, splits, whole, in_parts) if wants_rows else None
         reduced = {r: to_host(r.reduce(block), splits, whole, in_parts) for r in reductions}
-        step = _StepRows(rows, reduced, sites, plan)
+        step = _StepRows(rows, reduced, sites, plan, copied_out=copied_out)
         if steady is not None and steady.files_whole and all(
                 isinstance(copy, WholeCopy) for copy in step.copies().values()):
             step.run = steady
@@ -688,10 +696,19 @@ class CaptureStore:
             run.filed.append(step)  # under each of its requests when it is settled
             return
         entries, ending, large = self._entries, self._ending, step.hand_out()
+        # Readers whose rows are copied out of a held block file a step without its copies, which would keep the
+        # block alive for as long as they run.
+        bare = _StepRows(None, {}, step.sites, step.plan) if step.copied_out else None
+        own_copies = {key: copy.copies_of(sorted(step.copied_out))
+                      for key, copy in step.copies().items()} if step.copied_out else {}
         for k, req_id in enumerate(step.plan.req_ids):
             entry = entries.get(req_id) or ending.get(req_id)
             if entry is not None and entry.sites:
-                entry.chunks.append((step, k, {key: copy.part(k) for key, copy in large.items()} if large else None))
+                if k in step.copied_out:
+                    entry.chunks.append((bare, k, {key: copies[k] for key, copies in own_copies.items()}))
+                else:
+                    entry.chunks.append(
+                        (step, k, {key: copy.part(k) for key, copy in large.items()} if large else None))
                 if entry.part_bytes and req_id not in ending:
                     entry.unhanded_rows += len(step.plan.positions_of(k))
                     if entry.unhanded_rows * self._position_bytes(entry) >= entry.part_due and len(entry.chunks) > 1:
