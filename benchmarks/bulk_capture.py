@@ -29,8 +29,9 @@ sequential write of the same bytes (A B A B, each synced to disk); ``--disk-only
 server.
 
 ``--py-spy PATH`` (a py-spy binary) samples every thread of the server's processes (the API server, the engine
-core, a consumer's own process) during each phase, plain included, idle time included, into
-``py-spy-<round>-<phase>.txt`` beside ``--out`` (collapsed stacks, one line per distinct stack). (With
+core, a consumer's own process) during each phase, plain included, idle time included (``--py-spy-gil``: only
+the thread holding each process's interpreter lock), into ``py-spy-<round>-<phase>.txt`` beside ``--out``
+(collapsed stacks, one line per distinct stack). (With
 ``--native`` added, py-spy 0.4.3 wrote nothing on the H200 host: not offered.)
 
 ``--torch-profile`` runs vLLM's torch profiler over a window of decode steps of every phase, plain included
@@ -105,13 +106,15 @@ class ServerSampler:
     """py-spy sampling a server's whole process tree (the API server, the engine core, a consumer's own
     process) while a phase runs: ``start`` before it, ``stop`` after."""
 
-    def __init__(self, binary: str, server_pid: int, out_dir: Path) -> None:
+    def __init__(self, binary: str, server_pid: int, out_dir: Path, gil: bool = False) -> None:
         self.binary, self.pid, self.out_dir = binary, server_pid, out_dir
+        # Only the thread holding each process's interpreter lock at each sample: who keeps the others waiting.
+        self.mode = ["--gil"] if gil else ["--idle"]
         self._process: subprocess.Popen | None = None
 
     def start(self, label: str) -> None:
         self._process = subprocess.Popen(
-            [self.binary, "record", "--pid", str(self.pid), "--subprocesses", "--idle", "--threads", "--nonblocking",
+            [self.binary, "record", "--pid", str(self.pid), "--subprocesses", *self.mode, "--threads", "--nonblocking",
              "--rate", "200",
              "--format", "raw", "--output", str(self.out_dir / f"py-spy-{label}.txt")],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -262,6 +265,7 @@ def main() -> None:
     parser.add_argument("--start-timeout", type=float, default=600)
     parser.add_argument("--phases", default=",".join(PHASES), help="which of the phases to run (plain always)")
     parser.add_argument("--py-spy", default=None, help="py-spy binary: sample the server's processes in every phase")
+    parser.add_argument("--py-spy-gil", action="store_true", help="--py-spy: only threads holding the GIL")
     parser.add_argument("--torch-profile", action="store_true", help="device time per step of each phase, by kernel")
     parser.add_argument("--torch-profile-stack", action="store_true",
                         help="--torch-profile with Python calls: vllm-interp's own functions' time per step")
@@ -302,7 +306,8 @@ def main() -> None:
         watch = RssWatch(server.pid)
         watch.start()
         rng = torch.Generator().manual_seed(0)
-        sampler = ServerSampler(args.py_spy, server.pid, Path(args.out).parent) if args.py_spy else None
+        out_dir = Path(args.out).parent
+        sampler = ServerSampler(args.py_spy, server.pid, out_dir, args.py_spy_gil) if args.py_spy else None
 
         def body(capture: dict[str, Any] | None) -> dict[str, Any]:
             prompt = torch.randint(100, vocab - 100, (args.prompt_tokens,), generator=rng).tolist()
