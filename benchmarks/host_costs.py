@@ -20,9 +20,9 @@
   ``--device cuda`` puts that table on the GPU (host time, uploads included).
 - A forward-like loop beside an ``inline`` consumer's runner thread busy with 32 requests: the interpreter
   lock's handoffs, with the forward gate open and closed (``capture.dispatch.FORWARD``).
-- Every-token capture of ``--requests`` requests at ``post_block`` of every layer to ``logging`` (packed) on a
-  CPU engine: the forward thread's capture work per decode step, and the time to every result when they all
-  end together.
+- Every-token capture of ``--requests`` requests at ``post_block`` of every layer to ``logging`` (packed), and
+  to a sink that takes them in parts of 8 MiB and keeps nothing, on a CPU engine: the forward thread's capture
+  work per decode step, and the time to every result when they all end together.
 - One request's rows (512 positions) handed to an ``isolation=thread`` consumer: fresh memory against the
   reused block.
 
@@ -99,13 +99,32 @@ def site_bank(layers: int, hidden: int, *, steer_rows: int, dtype: torch.dtype,
                              max_tokens=8, steer_rows=steer_rows, patch_slots=1, graph_read_rows=0)
 
 
-def capture_store(layers: int, hidden: int) -> CaptureStore:
+class DiscardingSink(CaptureConsumer):
+    """A bulk sink's way of taking rows (parts of 8 MiB, as ``filesystem``'s sharded layout) that keeps
+    nothing: the store's work for such a consumer, without the writing."""
+
+    name = "sink"
+
+    @classmethod
+    def part_bytes(cls, options: dict) -> int:
+        return 8 << 20
+
+    def consume(self, capture: RequestCapture) -> dict:
+        return {"rows": sum(t.shape[0] for t in capture.tensors.values())}
+
+    @classmethod
+    def merge_parts(cls, results: list[dict]) -> dict:
+        return {"parts": len(results)}
+
+
+def capture_store(layers: int, hidden: int, consumer_class: type[CaptureConsumer] = LoggingConsumer) -> CaptureStore:
     bank = site_bank(layers, hidden, steer_rows=1, dtype=torch.float32)
-    context = ConsumerContext("logging", LoggingConsumer.validate_engine_options({}), "m", num_layers=layers,
+    name = consumer_class.name
+    context = ConsumerContext(name, consumer_class.validate_engine_options({}), "m", num_layers=layers,
                               hidden_size=hidden)
     # The engine's default queue: a smaller one makes finalizing wait for the consumer to make room.
-    runner = ConsumerRunner(InThread(LoggingConsumer(context)), policy="block", queue_bytes=DEFAULT_QUEUE_MB << 20)
-    return CaptureStore(bank, num_layers=layers, model="m", consumers={"logging": runner}, global_spec={},
+    runner = ConsumerRunner(InThread(consumer_class(context)), policy="block", queue_bytes=DEFAULT_QUEUE_MB << 20)
+    return CaptureStore(bank, num_layers=layers, model="m", consumers={name: runner}, global_spec={},
                         external_id=str, max_graph_tokens=0)
 
 
@@ -390,17 +409,20 @@ def copies_ms(args: argparse.Namespace) -> dict[str, tuple[float, float]]:
     return {name: (alone[name], beside[name]) for name in calls}
 
 
-def every_token_logging_ms(args: argparse.Namespace, steps: int = 256) -> dict[str, float]:
-    """``--requests`` requests capturing every position at ``post_block`` of every layer to ``logging`` (packed)
-    on a CPU engine: the forward thread's capture work per decode step (plan, the stand-in reads, collect: the
-    statistics and the landing, filing the landed step), over ``steps`` steps; then, all ending together, the
-    forward thread's time to finalize them (the first ask for their results) and the time until every result is
-    in (gathering and packing on the consumer's thread too)."""
+def every_token_ms(args: argparse.Namespace, consumer_class: type[CaptureConsumer] = LoggingConsumer,
+                   steps: int = 256) -> dict[str, float]:
+    """``--requests`` requests capturing every position at ``post_block`` of every layer to ``logging`` (packed;
+    or, ``DiscardingSink``, in parts as a bulk sink takes them) on a CPU engine: the forward thread's capture work
+    per decode step (plan, the stand-in reads, collect: the statistics and the landing, filing the landed step,
+    cutting parts), over ``steps`` steps; then, all ending together, the forward thread's time to finalize them
+    (the first ask for their results) and the time until every result is in (gathering and packing on the
+    consumer's thread too)."""
     layers, hidden, count, prompt_len = args.layers, args.hidden, args.requests, 16
-    store = capture_store(layers, hidden)
-    spec = validate_capture_spec({"logging": {"hooks": {"post_block": "all"}, "positions": "all",
-                                              "format": "packed"}},
-                                 engine=EngineFacts(layers), consumers={"logging": LoggingConsumer})
+    store = capture_store(layers, hidden, consumer_class)
+    name = consumer_class.name
+    packed = {"format": "packed"} if consumer_class is LoggingConsumer else {}
+    spec = validate_capture_spec({name: {"hooks": {"post_block": "all"}, "positions": "all", **packed}},
+                                 engine=EngineFacts(layers), consumers={name: consumer_class})
     ids = [f"req-{i}" for i in range(count)]
     for i, req_id in enumerate(ids):
         store.lookup(req_id, {EXTRA_ARGS_KEY: {"capture": spec_to_wire(spec), "capture_key": f"key-{i}"}},
@@ -453,10 +475,11 @@ def main() -> None:
           "after it for the requests):")
     for what, (loop_ms, rest_ms) in beside_consumers_ms(args).items():
         print(f"  {what}: {loop_ms:.2f} / {rest_ms:.2f} ms")
-    print(f"Every-token capture of {args.requests} requests at post_block of {args.layers} layers to logging "
-          f"(packed), 256 decode steps:")
-    for what, value in every_token_logging_ms(args).items():
-        print(f"  {what}: {value:.2f} ms")
+    for consumer_class, how in ((LoggingConsumer, "logging (packed)"), (DiscardingSink, "a sink in 8 MiB parts")):
+        print(f"Every-token capture of {args.requests} requests at post_block of {args.layers} layers to {how}, "
+              f"256 decode steps:")
+        for what, value in every_token_ms(args, consumer_class).items():
+            print(f"  {what}: {value:.2f} ms")
     print("One request's rows to an isolation=thread consumer that does nothing:")
     for what, value in in_thread_ms(args).items():
         print(f"  {what}: {value:.1f} ms")
