@@ -67,6 +67,7 @@ class _Entry:
     final_length: int | None = None  # the sequence length its caller gave, once it ended (``results``)
     part_bytes: int = 0  # hand its rows on in parts of about this size while it runs (0: whole, at its end)
     part_due: int = 0  # the bytes of filed rows at which its next part is cut (``part_bytes``, but its second)
+    row_bytes: int = 0  # the bytes of one position's rows at its sites (set with ``part_bytes``)
     unhanded_rows: int = 0  # rows filed in ``chunks`` (a part is cut when they reach ``part_due``)
     handed: set[int] = field(default_factory=set)  # positions handed on in parts
     parts: dict[str, list[Future]] = field(default_factory=dict)  # each consumer's results of those parts
@@ -442,6 +443,8 @@ class CaptureStore:
             # In parts only when every consumer of the request takes parts: each part lets go of its rows.
             part_sizes = [self.consumers[name].part_bytes(spec.options) for name, spec in specs.items()]
             entry.part_bytes = entry.part_due = min(part_sizes) if part_sizes and all(part_sizes) else 0
+            hidden, dtype, _ = self.bank.residual
+            entry.row_bytes = len(entry.sites) * hidden * dtype.itemsize
             if entry.key is not None:
                 self._by_key[entry.key] = req_id
         self._entries[req_id] = entry
@@ -615,7 +618,7 @@ class CaptureStore:
             # reader fills a part, it is split as any large block.
             copied_out = frozenset(
                 k for k, req_id in enumerate(plan.req_ids) if (entry := self._entries.get(req_id))
-                and len(plan.positions_of(k)) * self._position_bytes(entry) < entry.part_due)
+                and len(plan.positions_of(k)) * entry.row_bytes < entry.part_due)
             in_parts = len(copied_out) < len(plan.req_ids)
             copied_out = copied_out if in_parts else frozenset()
         self._collected += 1
@@ -701,6 +704,8 @@ class CaptureStore:
         bare = _StepRows(None, {}, step.sites, step.plan) if step.copied_out else None
         own_copies = {key: copy.copies_of(sorted(step.copied_out))
                       for key, copy in step.copies().items()} if step.copied_out else {}
+        # Each reader's rows in the step, counted in one call: this loop runs for every request of every step.
+        counts = np.diff(step.plan.slot_starts).tolist()
         for k, req_id in enumerate(step.plan.req_ids):
             entry = entries.get(req_id) or ending.get(req_id)
             if entry is not None and entry.sites:
@@ -710,14 +715,9 @@ class CaptureStore:
                     entry.chunks.append(
                         (step, k, {key: copy.part(k) for key, copy in large.items()} if large else None))
                 if entry.part_bytes and req_id not in ending:
-                    entry.unhanded_rows += len(step.plan.positions_of(k))
-                    if entry.unhanded_rows * self._position_bytes(entry) >= entry.part_due and len(entry.chunks) > 1:
+                    entry.unhanded_rows += counts[k]
+                    if entry.unhanded_rows * entry.row_bytes >= entry.part_due and len(entry.chunks) > 1:
                         self._hand_part(entry)
-
-    def _position_bytes(self, entry: _Entry) -> int:
-        """The bytes of one position's rows at the request's sites."""
-        hidden, dtype, _ = self.bank.residual
-        return len(entry.sites) * hidden * dtype.itemsize
 
     def _hand_part(self, entry: _Entry) -> None:
         """Hand a running request's landed rows, but its newest step's, to its consumers as its next part.
