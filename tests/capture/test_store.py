@@ -1,5 +1,7 @@
 """The worker-side capture store without an engine: rows by position, finalizing, results."""
 
+from collections import deque
+
 import numpy as np
 import pytest
 import torch
@@ -251,6 +253,17 @@ def test_a_block_whose_readers_all_take_parts_is_read_where_it_landed(block_land
     for start in range(3):  # decode steps, the later ones a steady batch's: a row each, never a part
         assert landing(["short", "long"], [1, 1], (3 + start, 16 + start)) == ("whole" if small else "split")
     assert store.read_steps["steady"] > 0
+    store.close()
+
+
+def test_held_memory_let_go_of_is_given_back_when_results_are_polled(monkeypatch):
+    """Held pinned memory whose last view went on a consumer's thread waits for the forward thread; an engine
+    that runs no more steps after a burst still gives it back, when the API server polls for results."""
+    store = make_store()
+    released = []
+    monkeypatch.setattr(host_copies, "_DROPPED", deque([(torch.empty(4), lambda: released.append(True))]))
+    store.results({"nosuch": 3}, wait_s=0)
+    assert released == [True] and not host_copies._DROPPED
     store.close()
 
 

@@ -70,5 +70,5 @@ def test_held_blocks_stay_intact_while_viewed_and_give_their_memory_back_after()
                 assert view.shape == (sites, stop - start, hidden) and view.is_pinned()
                 assert bool((view == step).all()), f"step {step}'s rows were overwritten while held"
         del held, views, view, copy
-    host_copies.give_back_dropped()  # as the forward thread does at its next copy
+    host_copies.give_back_dropped()  # as the forward thread does when it next copies or lands blocks
     assert not host_copies.ARENA._regions, "every arena region goes back once its views are gone"

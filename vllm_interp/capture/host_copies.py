@@ -17,15 +17,15 @@ The store polls the events at later steps, on the forward thread, and lands each
 - ``SplitCopy`` (the larger blocks) lands split into each request's own rows, so that a long request never
   keeps the others' rows alive. Splitting costs a copy per request into fresh memory on the forward thread: a
   ``last_prompt`` prefill step of 32 requests at 48 sites took 2.3-3.3 ms of it on an H200 host.
-- A block whose readers all take their rows in parts (a bulk sink) is let go of within about a part, so it
-  is not copied at all: it lands as a ``WholeCopy`` that keeps the pinned memory it was copied into, and the
-  readers' gathers read it there; the memory goes back (to torch's pinned cache, or to the arena) once the
-  last of them is done with it, on the forward thread at its next copy (``_PinnedOwner``). Splitting those
-  blocks was 19% of the forward thread's samples in a sink burst on an H200 host (every token of 64
-  requests at 16 sites, 2.1 GB). Torch's cache then holds up to about a part per request of pinned memory
-  after such a burst, for the next one. A block in the arena is held so only for readers that cut their
-  parts at the next step, the others' rows copied out of it when it lands (the store decides,
-  ``takes_arena``; ``WholeCopy.copies_of``): the ring waits for its oldest region.
+- A block whose readers all take their rows in parts (a bulk sink) is let go of within about a part, so it is not
+  copied at all: it lands as a ``WholeCopy`` that keeps the pinned memory it was copied into, and the readers'
+  gathers read it there; the memory goes back (to torch's pinned cache, or to the arena) once the last of them is
+  done with it, on the forward thread when it next copies or lands blocks (``_PinnedOwner``). Splitting those blocks
+  was 19% of the forward thread's samples in a sink burst on an H200 host (every token of 64 requests at 16 sites,
+  2.1 GB). Torch's cache then holds up to about a part per request of pinned memory after such a burst, for the next
+  one. A block in the arena is held so only for readers that cut their parts at the next step, the others' rows
+  copied out of it when it lands (the store decides, ``takes_arena``; ``WholeCopy.copies_of``): the ring waits for
+  its oldest region.
 
 Blocks over ``PINNED_CACHED_MAX_BYTES`` are copied into ``PinnedArena``, pinned memory kept for them and used
 as a ring, rather than into fresh pinned memory each time.
@@ -186,9 +186,10 @@ class _PinnedOwner:
     """Pinned memory lent to numpy views: ``np.asarray(owner)`` refers to the owner, and every view taken from
     that array (or from a tensor made of it) refers to the array in turn. Once the last view is gone, on
     whichever thread drops it, the memory and ``release`` are queued for the forward thread, which gives them
-    back when it next copies a block (``give_back_dropped``): freeing pinned memory that a copy used records a
-    CUDA event in torch's pinned cache (and a large block's ``release`` empties that cache), and CUDA calls
-    from a consumer's thread slow every CUDA call of the forward thread (see the module docstring)."""
+    back when it next copies or lands blocks (``give_back_dropped``): freeing pinned memory that a copy used
+    records a CUDA event in torch's pinned cache (and a large block's ``release`` empties that cache), and
+    CUDA calls from a consumer's thread slow every CUDA call of the forward thread (see the module
+    docstring)."""
 
     def __init__(self, pinned: torch.Tensor, release: Callable[[], None]) -> None:
         self.__array_interface__ = as_array(pinned).__array_interface__

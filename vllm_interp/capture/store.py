@@ -30,7 +30,15 @@ import torch
 
 from vllm_interp.capture.consumer import CaptureMeta, PendingCapture, RowReduction
 from vllm_interp.capture.dispatch import FORWARD, ConsumerRunner
-from vllm_interp.capture.host_copies import SplitCopy, SteppedCopy, WholeCopy, as_array, takes_arena, to_host
+from vllm_interp.capture.host_copies import (
+    SplitCopy,
+    SteppedCopy,
+    WholeCopy,
+    as_array,
+    give_back_dropped,
+    takes_arena,
+    to_host,
+)
 from vllm_interp.capture.results import ConsumerResult, merge_consumer_results
 from vllm_interp.capture.spec import CaptureSpec, spec_from_wire
 from vllm_interp.hooks import HOOK_INDEX, HOOKS, site_name
@@ -665,6 +673,7 @@ class CaptureStore:
         """File the rows of copies that have landed under their requests. Copies holding rows of ``needed``
         requests (every request when None) are waited for; later ones are filed only if already done, so that
         a step never waits for the device on behalf of requests that are still running."""
+        give_back_dropped()  # held memory whose views are gone, also when no copy follows (the results' polls)
         last_needed = -1 if needed is not None and not needed else max(
             (i for i, step in enumerate(self._pending)
              if needed is None or any(req_id in needed for req_id in step.plan.req_ids)), default=-1)
