@@ -19,12 +19,13 @@ whole, when it ends).
 ``--warmup-rounds`` rounds run first: the first bursts pay one-off costs (the pinned arena and torch's pinned
 cache filling, the consumer's shared blocks and shard memory mapped, a sink burst on an H200 host at 0.30 of
 plain in its first round and 0.46-0.66 in the next three), so they are listed but left out of the medians.
-Reported: throughput and TPOT of each phase against ``plain`` of the same round, TTFT of the plain phases after
-a burst against the one before it, the bytes of rows each capturing phase captured and their rate, how its
-capturing steps read (inside replayed CUDA graphs or eagerly, and how many as a steady batch's: the worker's
+Reported: throughput and TPOT of each phase against ``plain`` of the same round, TTFT of the plain phases after a
+burst against the one before it, the bytes of rows each capturing phase captured and their rate, how its capturing
+steps read (inside replayed CUDA graphs or eagerly, and how many as a steady batch's: the worker's
 ``interp_capture_steps``, through vLLM's dev-mode ``/collective_rpc``, which the server is started with), the sink's
-shards on disk after shutdown, the server processes' peak
-resident memory, and, on the capture root's disk, the rate of the sink's own shard writer against a plain
+shards on disk after shutdown, the server processes' peak resident memory, the server's busiest threads' time on a
+CPU and waiting for one in each phase (Linux's scheduler statistics: a forward thread that is neither is blocked, on
+a lock, the device or I/O), and, on the capture root's disk, the rate of the sink's own shard writer against a plain
 sequential write of the same bytes (A B A B, each synced to disk); ``--disk-only`` measures only that, without a
 server.
 
@@ -80,6 +81,7 @@ class Phase:
     stats: RunStats
     captured_bytes: int = 0  # rows x hidden x dtype size of every capturing request
     steps: dict[str, int] | None = None  # how its capturing steps read (``capture_steps``), during the phase
+    threads: dict[str, tuple[int, float, float]] | None = None  # ``thread_clocks_ms`` over the phase
 
 
 class RssWatch(threading.Thread):
@@ -125,6 +127,53 @@ class ServerSampler:
             self._process.send_signal(signal.SIGINT)  # py-spy writes what it sampled on SIGINT
             self._process.wait(60)
             self._process = None
+
+
+def thread_clocks(pid: int) -> dict[tuple[int, int], tuple[str, int, int]]:
+    """Every thread of the process tree at ``pid``: (pid, tid) -> (label, ns it ran on a CPU, ns it waited
+    for one: Linux's ``/proc/<pid>/task/<tid>/schedstat``). Labelled ``process/thread``, a process's first
+    thread as ``main`` (torch's worker threads carry the process's name). The rest of a thread's wall time
+    it was blocked: a lock, the device, I/O, or idle."""
+    clocks: dict[tuple[int, int], tuple[str, int, int]] = {}
+    try:
+        root = psutil.Process(pid)
+        processes = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return clocks
+    for process in processes:
+        try:
+            name, tasks = _process_label(process), list(Path(f"/proc/{process.pid}/task").iterdir())
+        except (psutil.Error, OSError):
+            continue
+        for task in tasks:
+            try:
+                thread = "main" if int(task.name) == process.pid else (task / "comm").read_text().strip()
+                on_cpu, waiting, _ = (task / "schedstat").read_text().split()
+            except (OSError, ValueError):  # gone, or a kernel without scheduler statistics
+                continue
+            clocks[(process.pid, int(task.name))] = (f"{name}/{thread}", int(on_cpu), int(waiting))
+    return clocks
+
+
+def _process_label(process: psutil.Process) -> str:
+    """A process's name, or for a Python process the module it runs (the API server, a consumer's process)."""
+    command = process.cmdline()
+    if "-m" in command[:-1]:
+        return command[command.index("-m") + 1]
+    return process.name()
+
+
+def thread_clocks_ms(before: dict[tuple[int, int], tuple[str, int, int]],
+                     after: dict[tuple[int, int], tuple[str, int, int]]) -> dict[str, tuple[int, float, float]]:
+    """Per label, between two ``thread_clocks``: (threads, ms on a CPU, ms waiting for one), summed over the
+    threads of that label that lived through both."""
+    by_label: dict[str, tuple[int, float, float]] = {}
+    for key, (label, on_cpu, waiting) in after.items():
+        if key in before:
+            threads, ran, queued = by_label.get(label, (0, 0.0, 0.0))
+            by_label[label] = (threads + 1, ran + (on_cpu - before[key][1]) / 1e6,
+                               queued + (waiting - before[key][2]) / 1e6)
+    return by_label
 
 
 def capture_steps(url: str) -> dict[str, int]:
@@ -221,6 +270,7 @@ def report(args: argparse.Namespace, phases: list[Phase], rates: list[tuple[floa
               f"{captured / 1e6:.0f} MB of rows; a shard still buffered is published when the server stops).", ""]
     lines += disk_section(rates)
     lines += sink_against_disk(phases, rates)
+    lines += threads_section(phases)
     lines += ["", "Peak resident memory of the server's processes (MiB):", "", "| process | peak RSS |", "|---|---|"]
     lines += [f"| `{name}` | {mb:.0f} |" for name, mb in sorted(rss.items(), key=lambda kv: -kv[1])[:8]]
     return "\n".join(lines) + "\n"
@@ -236,6 +286,29 @@ def sink_against_disk(phases: list[Phase], rates: list[tuple[float, float]]) -> 
     shares = [p.captured_bytes / 1e6 / p.stats.wall_s / plain for p in sinks]
     return ["", f"The sink while serving against the median plain write ({plain:.0f} MB/s): "
             + ", ".join(f"{share:.2f}" for share in shares) + f" by round; median {statistics.median(shares):.2f}."]
+
+
+def threads_section(phases: list[Phase], shown: int = 8) -> list[str]:
+    """Per phase, the server's busiest threads: the median over the measured rounds of their time on a CPU and
+    waiting for one, against the phase's wall time (what is neither, a thread spent blocked or idle)."""
+    measured = [p for p in phases if p.round_index >= 0 and p.threads]
+    if not measured:
+        return []
+    lines = ["", "The server's threads in each phase, medians over the rounds (ms on a CPU / ms waiting for a CPU; "
+             "the rest of the phase's wall a thread was blocked or idle; `/proc/<pid>/task/<tid>/schedstat`):", "",
+             "| phase | wall ms | thread (threads of that name) | on a CPU ms | waiting for a CPU ms |",
+             "|---|---|---|---|---|"]
+    for name in dict.fromkeys(p.name for p in measured):
+        rounds = [p for p in measured if p.name == name]
+        wall = statistics.median(p.stats.wall_s * 1e3 for p in rounds)
+        labels = {label for p in rounds for label in p.threads}
+        medians = {label: (max(p.threads.get(label, (0, 0.0, 0.0))[0] for p in rounds),
+                           statistics.median(p.threads.get(label, (0, 0.0, 0.0))[1] for p in rounds),
+                           statistics.median(p.threads.get(label, (0, 0.0, 0.0))[2] for p in rounds))
+                   for label in labels}
+        for label, (threads, ran, queued) in sorted(medians.items(), key=lambda kv: -kv[1][1])[:shown]:
+            lines.append(f"| {name} | {wall:.0f} | `{label}` ({threads}) | {ran:.0f} | {queued:.0f} |")
+    return lines
 
 
 def disk_section(rates: list[tuple[float, float]]) -> list[str]:
@@ -326,7 +399,9 @@ def main() -> None:
                     since = time.time()
                     step_profile.post(url, "/start_profile")
                 steps_before = capture_steps(url)
+                clocks_before = thread_clocks(server.pid)
                 stats = run_requests(url, bodies, args.concurrency)
+                threads = thread_clocks_ms(clocks_before, thread_clocks(server.pid))
                 steps = {k: n - steps_before.get(k, 0) for k, n in capture_steps(url).items()}
                 if sampler:
                     sampler.stop()
@@ -336,7 +411,7 @@ def main() -> None:
                                                                    f"round {round_index} {name}"))
                 # Every position but the last generated one goes through the model, at every layer.
                 rows = len(stats.ok) * (args.prompt_tokens + args.max_tokens - 1) * layers if capture else 0
-                phases.append(Phase(round_index, name, stats, rows * hidden * itemsize, steps))
+                phases.append(Phase(round_index, name, stats, rows * hidden * itemsize, steps, threads))
                 print(f"round {round_index} {name}: ttft {fmt(stats.ttft_ms())} ms tpot {fmt(stats.tpot_ms(), 2)} ms "
                       f"last gap {fmt(stats.last_gap_ms())} ms "
                       f"{stats.throughput():.0f} tok/s errors {stats.errors} capturing steps {steps}", flush=True)
