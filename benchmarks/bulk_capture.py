@@ -96,8 +96,8 @@ class RssWatch(threading.Thread):
     def run(self) -> None:
         while not self.stop.wait(1.0):
             try:
-                # Labelled by command line: the consumers' child processes are all named python3.
-                rss = server_rss_mb(self.pid, lambda p: f"{' '.join(p.cmdline()[:3])[-60:]} ({p.pid})")
+                # Labelled as the threads' table labels them: the consumers' child processes are all named python3.
+                rss = server_rss_mb(self.pid, lambda p: f"{_process_label(p)} ({p.pid})")
             except psutil.Error:
                 continue
             for name, mb in rss.items():
@@ -301,11 +301,11 @@ def threads_section(phases: list[Phase], shown: int = 8) -> list[str]:
     for name in dict.fromkeys(p.name for p in measured):
         rounds = [p for p in measured if p.name == name]
         wall = statistics.median(p.stats.wall_s * 1e3 for p in rounds)
-        labels = {label for p in rounds for label in p.threads}
-        medians = {label: (max(p.threads.get(label, (0, 0.0, 0.0))[0] for p in rounds),
-                           statistics.median(p.threads.get(label, (0, 0.0, 0.0))[1] for p in rounds),
-                           statistics.median(p.threads.get(label, (0, 0.0, 0.0))[2] for p in rounds))
-                   for label in labels}
+        by_label = {label: [p.threads.get(label, (0, 0.0, 0.0)) for p in rounds]
+                    for label in {label for p in rounds for label in p.threads}}
+        medians = {label: (max(n for n, _, _ in clocks), statistics.median(ran for _, ran, _ in clocks),
+                           statistics.median(queued for _, _, queued in clocks))
+                   for label, clocks in by_label.items()}
         for label, (threads, ran, queued) in sorted(medians.items(), key=lambda kv: -kv[1][1])[:shown]:
             lines.append(f"| {name} | {wall:.0f} | `{label}` ({threads}) | {ran:.0f} | {queued:.0f} |")
     return lines
