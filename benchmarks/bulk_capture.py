@@ -63,7 +63,14 @@ import torch
 from benchmarks import step_profile
 from benchmarks.consumer_handoff import plain_write_mb_s
 from benchmarks.serve import RESULTS_METRICS, RunStats, column_medians, fmt, gpu_card, ratio, run_requests
-from benchmarks.serving import VLLM_INTERP_MODULE, launch_server, server_rss_mb, stop_server, wait_healthy
+from benchmarks.serving import (
+    VLLM_INTERP_MODULE,
+    launch_server,
+    process_label,
+    server_rss_mb,
+    stop_server,
+    wait_healthy,
+)
 from vllm_interp.capture.consumer import CaptureMeta, ConsumerContext, RequestCapture
 from vllm_interp.capture.consumers.filesystem import FilesystemConsumer
 
@@ -81,7 +88,6 @@ class Phase:
     stats: RunStats
     captured_bytes: int = 0  # rows x hidden x dtype size of every capturing request
     steps: dict[str, int] | None = None  # how its capturing steps read (``capture_steps``), during the phase
-    threads: dict[str, tuple[int, float, float]] | None = None  # ``thread_clocks_ms`` over the phase
 
 
 class RssWatch(threading.Thread):
@@ -97,7 +103,7 @@ class RssWatch(threading.Thread):
         while not self.stop.wait(1.0):
             try:
                 # Labelled as the threads' table labels them: the consumers' child processes are all named python3.
-                rss = server_rss_mb(self.pid, lambda p: f"{_process_label(p)} ({p.pid})")
+                rss = server_rss_mb(self.pid, lambda p: f"{process_label(p)} ({p.pid})")
             except psutil.Error:
                 continue
             for name, mb in rss.items():
@@ -127,53 +133,6 @@ class ServerSampler:
             self._process.send_signal(signal.SIGINT)  # py-spy writes what it sampled on SIGINT
             self._process.wait(60)
             self._process = None
-
-
-def thread_clocks(pid: int) -> dict[tuple[int, int], tuple[str, int, int]]:
-    """Every thread of the process tree at ``pid``: (pid, tid) -> (label, ns it ran on a CPU, ns it waited
-    for one: Linux's ``/proc/<pid>/task/<tid>/schedstat``). Labelled ``process/thread``, a process's first
-    thread as ``main`` (torch's worker threads carry the process's name). The rest of a thread's wall time
-    it was blocked: a lock, the device, I/O, or idle."""
-    clocks: dict[tuple[int, int], tuple[str, int, int]] = {}
-    try:
-        root = psutil.Process(pid)
-        processes = [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return clocks
-    for process in processes:
-        try:
-            name, tasks = _process_label(process), list(Path(f"/proc/{process.pid}/task").iterdir())
-        except (psutil.Error, OSError):
-            continue
-        for task in tasks:
-            try:
-                thread = "main" if int(task.name) == process.pid else (task / "comm").read_text().strip()
-                on_cpu, waiting, _ = (task / "schedstat").read_text().split()
-            except (OSError, ValueError):  # gone, or a kernel without scheduler statistics
-                continue
-            clocks[(process.pid, int(task.name))] = (f"{name}/{thread}", int(on_cpu), int(waiting))
-    return clocks
-
-
-def _process_label(process: psutil.Process) -> str:
-    """A process's name, or for a Python process the module it runs (the API server, a consumer's process)."""
-    command = process.cmdline()
-    if "-m" in command[:-1]:
-        return command[command.index("-m") + 1]
-    return process.name()
-
-
-def thread_clocks_ms(before: dict[tuple[int, int], tuple[str, int, int]],
-                     after: dict[tuple[int, int], tuple[str, int, int]]) -> dict[str, tuple[int, float, float]]:
-    """Per label, between two ``thread_clocks``: (threads, ms on a CPU, ms waiting for one), summed over the
-    threads of that label that lived through both."""
-    by_label: dict[str, tuple[int, float, float]] = {}
-    for key, (label, on_cpu, waiting) in after.items():
-        if key in before:
-            threads, ran, queued = by_label.get(label, (0, 0.0, 0.0))
-            by_label[label] = (threads + 1, ran + (on_cpu - before[key][1]) / 1e6,
-                               queued + (waiting - before[key][2]) / 1e6)
-    return by_label
 
 
 def capture_steps(url: str) -> dict[str, int]:
@@ -291,7 +250,7 @@ def sink_against_disk(phases: list[Phase], rates: list[tuple[float, float]]) -> 
 def threads_section(phases: list[Phase], shown: int = 8) -> list[str]:
     """Per phase, the server's busiest threads: the median over the measured rounds of their time on a CPU and
     waiting for one, against the phase's wall time (what is neither, a thread spent blocked or idle)."""
-    measured = [p for p in phases if p.round_index >= 0 and p.threads]
+    measured = [p for p in phases if p.round_index >= 0 and p.stats.threads]
     if not measured:
         return []
     lines = ["", "The server's threads in each phase, medians over the rounds (ms on a CPU / ms waiting for a CPU; "
@@ -301,8 +260,8 @@ def threads_section(phases: list[Phase], shown: int = 8) -> list[str]:
     for name in dict.fromkeys(p.name for p in measured):
         rounds = [p for p in measured if p.name == name]
         wall = statistics.median(p.stats.wall_s * 1e3 for p in rounds)
-        by_label = {label: [p.threads.get(label, (0, 0.0, 0.0)) for p in rounds]
-                    for label in {label for p in rounds for label in p.threads}}
+        by_label = {label: [p.stats.threads.get(label, (0, 0.0, 0.0)) for p in rounds]
+                    for label in {label for p in rounds for label in p.stats.threads}}
         medians = {label: (max(n for n, _, _ in clocks), statistics.median(ran for _, ran, _ in clocks),
                            statistics.median(queued for _, _, queued in clocks))
                    for label, clocks in by_label.items()}
@@ -399,9 +358,7 @@ def main() -> None:
                     since = time.time()
                     step_profile.post(url, "/start_profile")
                 steps_before = capture_steps(url)
-                clocks_before = thread_clocks(server.pid)
-                stats = run_requests(url, bodies, args.concurrency)
-                threads = thread_clocks_ms(clocks_before, thread_clocks(server.pid))
+                stats = run_requests(url, bodies, args.concurrency, server.pid)
                 steps = {k: n - steps_before.get(k, 0) for k, n in capture_steps(url).items()}
                 if sampler:
                     sampler.stop()
@@ -411,7 +368,7 @@ def main() -> None:
                                                                    f"round {round_index} {name}"))
                 # Every position but the last generated one goes through the model, at every layer.
                 rows = len(stats.ok) * (args.prompt_tokens + args.max_tokens - 1) * layers if capture else 0
-                phases.append(Phase(round_index, name, stats, rows * hidden * itemsize, steps, threads))
+                phases.append(Phase(round_index, name, stats, rows * hidden * itemsize, steps))
                 print(f"round {round_index} {name}: ttft {fmt(stats.ttft_ms())} ms tpot {fmt(stats.tpot_ms(), 2)} ms "
                       f"last gap {fmt(stats.last_gap_ms())} ms "
                       f"{stats.throughput():.0f} tok/s errors {stats.errors} capturing steps {steps}", flush=True)

@@ -1,7 +1,8 @@
 """Serving benchmark: plain vLLM against `vllm-interp serve` on the same model, streaming clients, as ratios.
 
     python -m benchmarks.serve MODEL --out FILE.md [--concurrency 128] [--prompt-tokens 512]
-        [--max-tokens 512] [--rounds 2] [--workloads idle,steer_distinct,...] [--server-arg=--enforce-eager ...]
+        [--max-tokens 512] [--rounds 2] [--workloads idle,steer_distinct,...] [--pin-cpus]
+        [--server-arg=--enforce-eager ...]
 
 Both servers start once, side by side, each with its engine core in its own process (how users run them):
 plain `vllm serve` and `vllm-interp serve`, both on the model runner vLLM picks (V2 for dense models on GPUs;
@@ -10,6 +11,10 @@ patching and the inline
 and filesystem consumers enabled. Every round runs each workload as a pair, A then B: the same fresh prompts
 against plain vLLM without fields (the baseline) and against vllm-interp with the workload's fields, so drift
 shows as rounds that disagree. Ratios are feature / baseline; the summary takes the median over rounds.
+Each run also reports the engine core's forward thread's time on a CPU and waiting for one (Linux's scheduler
+statistics) and how busy the host's CPUs were: a serving step is host-bound at these sizes, so a forward thread
+that waits for a CPU (taken by the clients or the API servers) makes that run slower, whichever server it is.
+``--pin-cpus`` keeps them apart: the servers on the first half of the CPUs, the clients on the other half.
 
 Workloads (concurrency N unless said): ``idle`` (every feature enabled, requests without fields; also at
 concurrency 1), ``steer_distinct`` (each request its own random vectors at every layer's post_block),
@@ -49,7 +54,17 @@ from urllib.parse import urlsplit
 import msgspec
 import numpy as np
 
-from benchmarks.serving import VLLM_INTERP_MODULE, VLLM_MODULE, launch_server, stop_server, wait_healthy
+from benchmarks.serving import (
+    VLLM_INTERP_MODULE,
+    VLLM_MODULE,
+    host_cpu_jiffies,
+    launch_server,
+    split_cpus,
+    stop_server,
+    thread_clocks,
+    thread_clocks_ms,
+    wait_healthy,
+)
 from vllm_interp import pack_vectors
 
 WORKLOADS = ("idle", "idle_c1", "steer_distinct", "steer_shared", "steer_global", "capture_inline",
@@ -80,6 +95,7 @@ ENGINE_METRICS = {"engine TTFT": "vllm:time_to_first_token_seconds", "queue": "v
 RESULTS_METRICS = {"results wait": "vllm_interp:capture_results_wait_seconds",
                    "results prepare": "vllm_interp:capture_results_prepare_seconds"}
 SERVER_METRICS = {**ENGINE_METRICS, **RESULTS_METRICS}
+ENGINE_CORE_THREAD = "VLLM::EngineCore/main"  # ``thread_clocks``' label of the engine core's forward thread
 
 
 @dataclass
@@ -87,6 +103,15 @@ class RunStats:
     samples: list[Sample]
     wall_s: float
     engine_ms: dict[str, float] = field(default_factory=dict)  # SERVER_METRICS' mean per request of the run
+    # The server's threads over the run, by label: (threads, ms on a CPU, ms waiting for one); ``thread_clocks_ms``.
+    threads: dict[str, tuple[int, float, float]] = field(default_factory=dict)
+    host_busy: float | None = None  # the share of the host's CPUs in use over the run
+
+    def forward_thread(self) -> tuple[float, float] | None:
+        """The engine core's main thread (the one that schedules and launches each step): (ms on a CPU, ms
+        waiting for one), or None where not measured (offline, or an engine core in the server's process)."""
+        clocks = self.threads.get(ENGINE_CORE_THREAD)
+        return None if clocks is None else clocks[1:]
 
     @property
     def ok(self) -> list[Sample]:
@@ -191,22 +216,30 @@ def histogram_sums(url: str) -> dict[str, tuple[float, float]]:
     return {label: tuple(totals[name]) for label, name in SERVER_METRICS.items()}
 
 
-def run_requests(url: str, bodies: list[dict[str, Any]], concurrency: int) -> RunStats:
-    """Send ``bodies`` with ``concurrency`` requests in flight, from up to CLIENT_PROCESSES processes: one
-    Python process parsing the events of 128 streams would be the bottleneck (and its noise) of the run."""
+def run_requests(url: str, bodies: list[dict[str, Any]], concurrency: int, server_pid: int | None = None,
+                 client_cpus: set[int] | None = None) -> RunStats:
+    """Send ``bodies`` with ``concurrency`` requests in flight, from up to CLIENT_PROCESSES processes (on
+    ``client_cpus``, where given): one Python process parsing the events of 128 streams would be the bottleneck
+    (and its noise) of the run. With ``server_pid``, the server's threads' clocks over the run are kept too."""
     processes = max(1, min(CLIENT_PROCESSES, concurrency, len(bodies)))
     shares = [bodies[i::processes] for i in range(processes)]
     threads = -(-concurrency // processes)
     before = histogram_sums(url)
+    clocks_before = thread_clocks(server_pid) if server_pid else {}
+    host_before = host_cpu_jiffies()
     started = time.perf_counter()
-    with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("fork")) as pool:
+    pinning = {"initializer": os.sched_setaffinity, "initargs": (0, client_cpus)} if client_cpus else {}
+    with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("fork"), **pinning) as pool:
         results = list(pool.map(_client, [url] * processes, shares, [threads] * processes))
     wall_s = time.perf_counter() - started
+    host_after = host_cpu_jiffies()
+    server_threads = thread_clocks_ms(clocks_before, thread_clocks(server_pid)) if server_pid else {}
     after = histogram_sums(url)
     samples = [results[i % processes][i // processes] for i in range(len(bodies))]  # back in request order
     engine_ms = {label: 1000 * (after[label][0] - before[label][0]) / count
                  for label in SERVER_METRICS if (count := after[label][1] - before[label][1]) > 0}
-    return RunStats(samples, wall_s, engine_ms)
+    host_busy = (host_after[0] - host_before[0]) / max(1, host_after[1] - host_before[1])
+    return RunStats(samples, wall_s, engine_ms, server_threads, host_busy)
 
 
 @dataclass
@@ -218,6 +251,8 @@ class Bench:
     hidden: int
     vocab: int
     lens_url: str | None = None
+    pids: dict[str, int] = field(default_factory=dict)  # url -> the server's pid, for its threads' clocks
+    client_cpus: set[int] | None = None  # ``--pin-cpus``: where the clients run
     # (round, workload, plain A, vllm-interp B, vllm-lens C or None)
     pairs: list[tuple[int, str, RunStats, RunStats, RunStats | None]] = field(default_factory=list)
 
@@ -278,6 +313,9 @@ class Bench:
                  "source": {"run": SOURCE_RUN, "position": position}} for layer in range(self.layers)]}),
         }[name]
 
+    def run(self, url: str, bodies: list[dict[str, Any]], concurrency: int) -> RunStats:
+        return run_requests(url, bodies, concurrency, self.pids.get(url), self.client_cpus)
+
     def run_pair(self, round_index: int, name: str) -> None:
         seed = 1000 * round_index + WORKLOADS.index(name)
         concurrency, stream, fields = self.workload(name, seed)
@@ -291,15 +329,15 @@ class Bench:
                                                    "tag": SOURCE_RUN}}}
             post(self.interp_url, "/v1/completions", source)
         try:
-            baseline = run_requests(self.plain_url, [self.body(p, stream) for p in prompts], concurrency)
-            feature = run_requests(self.interp_url, [{**self.body(p, stream), **fields(i)}
+            baseline = self.run(self.plain_url, [self.body(p, stream) for p in prompts], concurrency)
+            feature = self.run(self.interp_url, [{**self.body(p, stream), **fields(i)}
                                                      for i, p in enumerate(prompts)], concurrency)
         finally:
             if name == "steer_global":
                 post(self.interp_url, "/v1/steering/clear", {})
         peer = None
         if self.lens_url is not None and (lens_fields := self.lens_workload(name, seed)) is not None:
-            peer = run_requests(self.lens_url, [{**self.body(p, stream), **lens_fields(i)}
+            peer = self.run(self.lens_url, [{**self.body(p, stream), **lens_fields(i)}
                                                 for i, p in enumerate(prompts)], concurrency)
         self.pairs.append((round_index, name, baseline, feature, peer))
         print(f"round {round_index} {name}: {describe(baseline)} | {describe(feature)}"
@@ -377,11 +415,30 @@ def report(bench: Bench, started: str, card: str, wall_s: float, kv_tokens: tupl
             cells = [f"{fmt(a.ttft_ms())} / {fmt(b.ttft_ms())}"]
             cells += [f"{fmt(a.engine_ms.get(k))} / {fmt(b.engine_ms.get(k))}" for k in ENGINE_METRICS]
             lines.append(f"| {round_index} | {name} | " + " | ".join(cells) + " |")
+    lines += cpu_table(bench)
     peer_rows = [(round_index, name, a, c) for round_index, name, a, _, c in bench.pairs if c is not None]
     if peer_rows:
         lines += ["", "## Peer: vllm-lens 1.2.1 (C; eager, V1 runner) against the same plain runs (A)", "",
                   *comparison_table(peer_rows, "C", "Median over rounds (vllm-lens / plain):")]
     return "\n".join(lines) + "\n"
+
+
+def cpu_table(bench: Bench) -> list[str]:
+    """Per run, the engine core's forward thread's time on a CPU and waiting for one, and how busy the host's
+    CPUs were: a forward thread that waits for a CPU lengthens every step, whichever server it belongs to."""
+    rows = [(r, name, a, b) for r, name, a, b, _ in bench.pairs if a.forward_thread() and b.forward_thread()]
+    if not rows:
+        return []
+    pinned = f"clients pinned to CPUs {sorted(bench.client_cpus)}" if bench.client_cpus else "nothing pinned"
+    lines = ["", f"The engine core's forward thread (`{ENGINE_CORE_THREAD}`) per run, ms on a CPU / ms waiting for "
+             f"a CPU, and the host's CPUs in use ({pinned}), A / B:", "",
+             "| round | workload | wall s | forward thread on a CPU ms | waiting for a CPU ms | host CPUs busy |",
+             "|---|---|---|---|---|---|"]
+    for round_index, name, a, b in rows:
+        (a_ran, a_queued), (b_ran, b_queued) = a.forward_thread(), b.forward_thread()
+        lines.append(f"| {round_index} | {name} | {a.wall_s:.2f} / {b.wall_s:.2f} | {a_ran:.0f} / {b_ran:.0f} | "
+                     f"{a_queued:.0f} / {b_queued:.0f} | {fmt(a.host_busy, 2)} / {fmt(b.host_busy, 2)} |")
+    return lines
 
 
 def gpu_card() -> str:
@@ -408,6 +465,8 @@ def main() -> None:
                         help="default: the one vLLM picks (V2 on GPUs); v1: VLLM_USE_V2_MODEL_RUNNER=0")
     parser.add_argument("--server-arg", action="append", default=[], help="passed to both servers (repeatable)")
     parser.add_argument("--start-timeout", type=float, default=600)
+    parser.add_argument("--pin-cpus", action="store_true",
+                        help="servers on the first half of the CPUs, the clients on the other half")
     parser.add_argument("--peer-site", default=None,
                         help="directory holding vllm-lens and its dependencies: adds vllm-lens's server (C)")
     args = parser.parse_args()
@@ -434,13 +493,19 @@ def main() -> None:
     servers = {"plain": (plain_url, plain), "interp": (interp_url, interp)}
     if args.peer_site:
         servers["lens"] = launch_server(common, workdir / "lens.log", lens_env, VLLM_MODULE)
+    server_cpus, client_cpus = split_cpus()
+    if args.pin_cpus:  # still importing: every process and thread a server starts inherits its CPUs
+        for _, process in servers.values():
+            os.sched_setaffinity(process.pid, server_cpus)
     try:
         for name, (url, process) in servers.items():
             wait_healthy(url, process, workdir / f"{name}.log", args.start_timeout)
         print(f"servers ready after {time.monotonic() - began:.0f} s", flush=True)
         kv_tokens = tuple(kv_cache_tokens(workdir / f"{name}.log") for name in servers)
         bench = Bench(args, plain_url, interp_url, config["num_hidden_layers"], config["hidden_size"],
-                      config["vocab_size"], lens_url=servers["lens"][0] if "lens" in servers else None)
+                      config["vocab_size"], lens_url=servers["lens"][0] if "lens" in servers else None,
+                      pids={url: process.pid for url, process in servers.values()},
+                      client_cpus=client_cpus if args.pin_cpus else None)
         warm_up = [bench.body(p) for p in bench.prompts(99, 2)]  # first requests pay one-off costs; not reported
         for url, _ in servers.values():
             run_requests(url, warm_up, 2)

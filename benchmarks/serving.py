@@ -80,3 +80,66 @@ def server_rss_mb(pid: int, label: Callable[[psutil.Process], str] = lambda p: f
         except psutil.NoSuchProcess:
             continue
     return rss
+
+
+def thread_clocks(pid: int) -> dict[tuple[int, int], tuple[str, int, int]]:
+    """Every thread of the process tree at ``pid``: (pid, tid) -> (label, ns it ran on a CPU, ns it waited
+    for one: Linux's ``/proc/<pid>/task/<tid>/schedstat``). Labelled ``process/thread``, a process's first
+    thread as ``main`` (torch's worker threads carry the process's name). The rest of a thread's wall time
+    it was blocked: a lock, the device, I/O, or idle."""
+    clocks: dict[tuple[int, int], tuple[str, int, int]] = {}
+    try:
+        root = psutil.Process(pid)
+        processes = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return clocks
+    for process in processes:
+        try:
+            name, tasks = process_label(process), list(Path(f"/proc/{process.pid}/task").iterdir())
+        except (psutil.Error, OSError):
+            continue
+        for task in tasks:
+            try:
+                thread = "main" if int(task.name) == process.pid else (task / "comm").read_text().strip()
+                on_cpu, waiting, _ = (task / "schedstat").read_text().split()
+            except (OSError, ValueError):  # gone, or a kernel without scheduler statistics
+                continue
+            clocks[(process.pid, int(task.name))] = (f"{name}/{thread}", int(on_cpu), int(waiting))
+    return clocks
+
+
+def process_label(process: psutil.Process) -> str:
+    """A process's name, or for a Python process the module it runs (the API server, a consumer's process)."""
+    command = process.cmdline()
+    if "-m" in command[:-1]:
+        return command[command.index("-m") + 1]
+    return process.name()
+
+
+def thread_clocks_ms(before: dict[tuple[int, int], tuple[str, int, int]],
+                     after: dict[tuple[int, int], tuple[str, int, int]]) -> dict[str, tuple[int, float, float]]:
+    """Per label, between two ``thread_clocks``: (threads, ms on a CPU, ms waiting for one), summed over the
+    threads of that label that lived through both."""
+    by_label: dict[str, tuple[int, float, float]] = {}
+    for key, (label, on_cpu, waiting) in after.items():
+        if key in before:
+            threads, ran, queued = by_label.get(label, (0, 0.0, 0.0))
+            by_label[label] = (threads + 1, ran + (on_cpu - before[key][1]) / 1e6,
+                               queued + (waiting - before[key][2]) / 1e6)
+    return by_label
+
+
+def host_cpu_jiffies() -> tuple[int, int]:
+    """(busy, total) clock ticks of every CPU of the host so far (``/proc/stat``): between two readings, the
+    share of the machine's CPUs in use, which says whether the benchmark's own clients crowd the servers."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle, iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def split_cpus() -> tuple[set[int], set[int]]:
+    """This process's CPUs in two halves: (servers', clients'). Pinned apart, the clients parsing 128 streams
+    cannot take a CPU from a server's forward thread, whose every wait for one lengthens the step."""
+    cpus = sorted(os.sched_getaffinity(0))
+    half = max(1, len(cpus) // 2)
+    return set(cpus[:half]), set(cpus[half:]) or set(cpus)
