@@ -7,7 +7,7 @@
   ``site_reads``, as the runner calls them before every step.
 - A wave of ``--requests`` requests capturing ``last_prompt`` at every site to ``inline``: the worker's forward
   thread's share per request (admission, the prefill step's plan and collect, the finish that hands each to
-  its consumer).
+  its consumer), and the time until every result is in (the consumer's runner thread's share added).
 - The runner's whole plan of a decode step (``InterpSteps._interp_plan``) on an engine with steering, patching
   and capture enabled, for a batch of which no request uses them and for one of which every request has its
   own all-layer steering config.
@@ -144,27 +144,30 @@ def planning_us(positions: str, args: argparse.Namespace) -> float:
         store.close()
 
 
-def capture_wave_us(args: argparse.Namespace) -> float:
+def capture_wave_us(args: argparse.Namespace) -> dict[str, float]:
     """The worker's share of a wave of ``--requests`` requests capturing ``last_prompt`` at every site to
-    ``inline`` (the serving bench's capture workload), per request: each admitted (its spec decoded), one
-    prefill step of them planned, its reads collected and landed, and each finished (handed to the consumer,
-    without waiting for it). The eager forward's reads are stand-ins: a row per request and site."""
+    ``inline`` (the serving bench's capture workload), per request: on the forward thread, each admitted (its
+    spec decoded), one prefill step of them planned, its reads collected and landed, and each finished (handed to
+    the consumer, without waiting for it); then until every result is in (the consumer's runner thread gathering
+    and packing each). The eager forward's reads are stand-ins: a row per request and site."""
     layers, hidden, count = args.layers, args.hidden, args.requests
     bank = site_bank(layers, hidden, steer_rows=1, dtype=torch.bfloat16)
     context = ConsumerContext("inline", {}, "m", num_layers=layers, hidden_size=hidden)
     runner = ConsumerRunner(InThread(InlineConsumer(context)), policy="block", queue_bytes=1 << 30)
     store = CaptureStore(bank, num_layers=layers, model="m", consumers={"inline": runner}, global_spec={},
                          external_id=str, max_graph_tokens=0)
-    wire = {EXTRA_ARGS_KEY: {"capture": {"inline": {"hooks": "all", "positions": "last_prompt"}}}}
+    spec = {"inline": {"hooks": "all", "positions": "last_prompt"}}
     prompt_len, chunk = 512, 8
     rows = torch.zeros(count, hidden, dtype=torch.bfloat16)
     wave = [0]
+    forward_s: list[float] = []
 
     def one_wave() -> None:
         ids = [f"w{wave[0]}-{i}" for i in range(count)]
         wave[0] += 1
+        started = time.perf_counter()
         for req_id in ids:
-            store.lookup(req_id, wire, prompt_len)
+            store.lookup(req_id, {EXTRA_ARGS_KEY: {"capture": spec, "capture_key": req_id}}, prompt_len)
         # The prompts' last chunks: each request's last prompt position is read.
         layout = BatchLayout.of(ids, np.arange(0, (count + 1) * chunk, chunk), np.full(count, prompt_len - chunk))
         plan = store.plan_reads(layout)
@@ -172,9 +175,16 @@ def capture_wave_us(args: argparse.Namespace) -> float:
         reads.out.update({site: rows for site in reads.sites})
         store.collect(plan, reads)
         store.finish(set(ids))
+        forward_s.append(time.perf_counter() - started)
+        lengths = dict.fromkeys(ids, prompt_len + 1)
+        while lengths:
+            for key in store.results(lengths, wait_s=1.0):
+                del lengths[key]
 
     try:
-        return per_call_s(one_wave, max(args.repeats // 200, 3)) * 1e6 / count
+        whole = per_call_s(one_wave, max(args.repeats // 200, 3))
+        return {"the forward thread": statistics.median(forward_s) * 1e6 / count,
+                "until every result is in": whole * 1e6 / count}
     finally:
         store.close()
 
@@ -462,7 +472,9 @@ def main() -> None:
     for positions in ("all", "all_generated"):
         print(f"  positions={positions}: {planning_us(positions, args):.0f} us a step")
     print(f"A wave of {args.requests} requests capturing last_prompt at all {3 * args.layers} sites to inline, "
-          f"the worker's forward thread: {capture_wave_us(args):.0f} us a request")
+          "us a request:")
+    for what, value in capture_wave_us(args).items():
+        print(f"  {what}: {value:.0f}")
     print(f"The runner's plan of a decode step of {args.requests} requests, every feature enabled:")
     for what, value in step_plan_us(args).items():
         print(f"  {what}: {value:.0f} us")

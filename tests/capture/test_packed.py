@@ -23,3 +23,8 @@ def test_views_pack_their_own_elements():
     block = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4)
     assert torch.equal(unpack(pack(block[:, 1])), block[:, 1])
     assert torch.equal(unpack(pack(block.transpose(0, 2))), block.transpose(0, 2))
+
+
+def test_a_tensor_that_requires_grad_packs_its_values():
+    tensor = torch.randn(2, 3, requires_grad=True)
+    assert torch.equal(unpack(pack(tensor)), tensor.detach())

@@ -32,7 +32,7 @@ Under pipeline parallelism each stage's instance receives that stage's layers; `
 the stages' results for the caller.
 """
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, ClassVar
@@ -148,22 +148,59 @@ class RowReduction:
     reduce: Callable[[torch.Tensor], torch.Tensor]
 
 
+class SiteTensors(Mapping[str, torch.Tensor]):
+    """A ``[sites, positions, width]`` block's tensor per site (in site order), made when one is first asked
+    for: a consumer that takes the block whole (``inline``) or reads only the site names never pays for them.
+    On a consumer's runner thread every torch call gives up the interpreter lock and waits to take it back from
+    the forward loop, so a call saved per request is a handoff saved."""
+
+    def __init__(self, sites: Sequence[str], block: torch.Tensor) -> None:
+        if len(sites) != block.shape[0]:
+            raise ValueError(f"{len(sites)} site names for a block of {block.shape[0]} sites")
+        self._sites, self._block = sites, block
+        self._views: dict[str, torch.Tensor] | None = None
+
+    def _by_site(self) -> dict[str, torch.Tensor]:
+        if self._views is None:
+            self._views = dict(zip(self._sites, self._block.unbind(0), strict=True))
+        return self._views
+
+    def __getitem__(self, site: str) -> torch.Tensor:
+        return self._by_site()[site]
+
+    def __contains__(self, site: object) -> bool:
+        return site in self._sites
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._sites)
+
+    def __len__(self) -> int:
+        return len(self._sites)
+
+
 @dataclass
 class RequestCapture:
     """One request's captured rows: ``tensors["12.post_block"]`` is ``[len(meta.positions), hidden]`` (or
     ``[len(meta.positions), width]`` summaries for a consumer with a ``row_reduction``)."""
 
     meta: CaptureMeta
-    tensors: dict[str, torch.Tensor]
+    tensors: Mapping[str, torch.Tensor]
     # The ``[sites, positions, width]`` block the tensors are views of, in site order, when they are: a consumer
     # that takes the rows whole uses it instead of stacking them again.
     block: torch.Tensor | None = None
+
+    @classmethod
+    def of_block(cls, meta: CaptureMeta, block: torch.Tensor) -> "RequestCapture":
+        """The consumer's view of a ``[sites, positions, width]`` block in ``meta.sites``' order."""
+        return cls(meta, SiteTensors(meta.sites, block), block)
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         return iter(self.tensors.items())
 
     @property
     def nbytes(self) -> int:
+        if self.block is not None:
+            return self.block.numel() * self.block.element_size()
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 

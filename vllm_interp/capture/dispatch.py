@@ -40,7 +40,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from vllm_interp.capture.consumer import PendingCapture, RequestCapture
-from vllm_interp.capture.isolation import ConsumerProcessError, InProcess, InThread, request_capture
+from vllm_interp.capture.isolation import ConsumerProcessError, InProcess, InThread
 from vllm_interp.capture.results import ConsumerResult
 
 logger = logging.getLogger(__name__)
@@ -172,7 +172,7 @@ class ConsumerRunner:
         pending = job.capture
         block = torch.empty(pending.shape, dtype=pending.dtype)
         pending.fill(block)
-        save_file({site: t.contiguous() for site, t in request_capture(pending.meta, block)}, str(path))
+        save_file({site: t.contiguous() for site, t in RequestCapture.of_block(pending.meta, block)}, str(path))
 
         def load(out: torch.Tensor) -> None:
             # ``of`` takes the tensors in site order (the file keeps them in name order).

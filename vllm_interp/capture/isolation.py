@@ -70,11 +70,6 @@ class ConsumerProcessError(RuntimeError):
         self.kept = kept
 
 
-def request_capture(meta: CaptureMeta, block: torch.Tensor) -> RequestCapture:
-    """The consumer's view of a ``[sites, positions, hidden]`` block: one tensor per site, in site order."""
-    return RequestCapture(meta, dict(zip(meta.sites, block.unbind(0), strict=True)), block)
-
-
 class InThread:
     """The consumer runs on its runner's thread; blocks are ordinary memory, one reused from request to request
     (sized in ``BLOCK_GRAIN`` steps, as shared blocks are): a fresh block costs a large request its page faults
@@ -98,7 +93,7 @@ class InThread:
         try:
             block = _view(memory, pending.shape, pending.dtype)
             pending.fill(block)
-            future.set_result(self.consumer.consume(request_capture(pending.meta, block)))
+            future.set_result(self.consumer.consume(RequestCapture.of_block(pending.meta, block)))
         except Exception as exc:
             future.set_exception(exc)
             return future  # the failure's traceback may hold the rows: the memory is not reused
@@ -396,13 +391,14 @@ def _consume(consumer: CaptureConsumer, blocks: _ChildBlocks, meta: CaptureMeta,
              given_up: list[str]) -> tuple[str, Any, bool]:
     blocks.forget(given_up)
     if path is None:  # no rows
-        return (*_outcome(lambda: consumer.consume(request_capture(meta, torch.empty(shape, dtype=dtype)))), False)
+        return (*_outcome(lambda: consumer.consume(RequestCapture.of_block(meta, torch.empty(shape, dtype=dtype)))),
+                False)
     try:
         mapped = blocks.map(path, size)
     except OSError as exc:  # this request's failure; the child keeps serving
         return "error", f"{type(exc).__name__}: {exc}", False
     unheld = sys.getrefcount(mapped)  # every tensor of the block holds the mapping
-    outcome = _outcome(lambda: consumer.consume(request_capture(meta, _view(mapped, shape, dtype))))
+    outcome = _outcome(lambda: consumer.consume(RequestCapture.of_block(meta, _view(mapped, shape, dtype))))
     kept = sys.getrefcount(mapped) > unheld
     if kept:
         gc.collect()  # a reference cycle the consumer left may be all that holds the rows

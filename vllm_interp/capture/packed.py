@@ -14,9 +14,14 @@ import torch
 
 def pack(tensor: torch.Tensor) -> dict[str, Any]:
     """``{"dtype", "shape", "data"}``: the tensor's bytes (row-major) with what rebuilds it."""
-    tensor = tensor.detach().cpu().contiguous()
-    return {"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape),
-            "data": tensor.view(-1).view(torch.uint8).numpy().tobytes()}
+    # Only the calls it needs: on a consumer's runner thread each torch call hands the interpreter lock back
+    # and forth with the forward loop (a captured block is usually a contiguous CPU tensor already).
+    if tensor.requires_grad or tensor.device.type != "cpu" or not tensor.is_contiguous():
+        tensor = tensor.detach().cpu().contiguous()
+    shape = list(tensor.shape)
+    flat = tensor if shape else tensor.reshape(1)  # a 0-d tensor has no last dimension to view as bytes
+    return {"dtype": str(tensor.dtype).removeprefix("torch."), "shape": shape,
+            "data": flat.view(torch.uint8).numpy().tobytes()}
 
 
 def unpack(packed: dict[str, Any]) -> torch.Tensor:
