@@ -3,6 +3,7 @@ engine, its core in this process.
 
     python -m benchmarks.steer_admission MODEL [--requests 128] [--prompt-tokens 512] [--rounds 2]
         [--workloads unsteered,shared,distinct,capture] [--attention-backend TRITON_ATTN] [--kv-cache-gib 1]
+        [--inline inline:isolation=process]
         [--profile 25] [--profile-workload distinct]
         [--torch-profile unsteered,capture] [--trace-dir DIR] [--torch-stack]
 
@@ -52,6 +53,9 @@ def main() -> None:
     parser.add_argument("--attention-backend", default=None)
     parser.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache size (the CPU needs one)")
     parser.add_argument("--workloads", default="unsteered,shared,distinct,capture")
+    parser.add_argument("--inline", default="inline",
+                        help="the inline consumer's --capture-consumers entry (inline:isolation=process: its own "
+                             "process, off the worker's interpreter)")
     parser.add_argument("--profile", type=int, default=25, help="functions to print (0: no profile)")
     parser.add_argument("--profile-workload", default="distinct", help="the workload run under cProfile")
     parser.add_argument("--torch-profile", default="", help="workloads to run under torch's profiler")
@@ -64,8 +68,8 @@ def main() -> None:
         engine["attention_backend"] = args.attention_backend
     if args.kv_cache_gib:
         engine["kv_cache_memory_bytes"] = int(args.kv_cache_gib * (1 << 30))
-    llm = LLM(args.model, enable_steering=True, max_steering_configs=args.requests, capture_consumers=("inline",),
-              **engine)
+    llm = LLM(args.model, enable_steering=True, max_steering_configs=args.requests,
+              capture_consumers=(args.inline,), **engine)
     layers, hidden = llm.num_layers, llm.llm_engine.model_config.get_hidden_size()
     vocab = llm.llm_engine.model_config.get_vocab_size()
     greedy = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
