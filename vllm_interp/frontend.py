@@ -30,6 +30,8 @@ from vllm_interp.steering.state import SteeringState
 from vllm_interp.steering.vectors import SteeringVectors
 
 RESULTS_TIMEOUT_S = 600.0
+# Position selections that end with the prompt whatever the request generates (a list may name generated ones).
+PROMPT_ONLY_POSITIONS = ("last_prompt", "all_prompt")
 SOURCES_RPC = "interp_patch_sources"
 RESULTS_RPC = "interp_capture_results"
 
@@ -39,6 +41,10 @@ class PreparedRequest:
     payload: dict[str, Any]  # extra_args["vllm_interp"]
     key: str | None  # set when results will be collected
     expects: tuple[str, ...]  # the results the caller collects: capture consumers, then "patch"
+    # Its results are whole once its prompt has run (it captures prompt positions only, patches nothing, and the
+    # engine captures nothing of every request): a stream may collect them from its first token on instead of
+    # holding its last one while they are fetched.
+    results_at_prefill: bool = False
 
 
 def prefix_salt(effective: SteeringVectors, patch: PatchSpec | None) -> dict[str, Any] | None:
@@ -94,11 +100,14 @@ class InterpFrontend:
         saes = load_saes(config.saes, num_layers=shape.num_layers, hidden_size=shape.hidden_size)
         return cls(SteeringState(shape, enabled=config.enable_steering, saes=saes, limits=limits),
                    {name: consumer_class(name) for name in config.consumer_names},
-                   patching=config.enable_patching, max_patch_rows=config.max_patch_rows, limits=limits)
+                   patching=config.enable_patching, max_patch_rows=config.max_patch_rows, limits=limits,
+                   global_capture=bool(config.capture_global))
 
     def __init__(self, steering: SteeringState, consumers: Mapping[str, type[CaptureConsumer]], *,
-                 patching: bool, max_patch_rows: int, limits: FrontendLimits | None = None) -> None:
+                 patching: bool, max_patch_rows: int, limits: FrontendLimits | None = None,
+                 global_capture: bool = False) -> None:
         self.steering = steering
+        self.global_capture = global_capture  # --capture-global: the workers capture every request too
         self.limits = limits or FrontendLimits()
         self.consumers = dict(consumers)
         self.patching = patching
@@ -138,16 +147,18 @@ class InterpFrontend:
         key = None
         if collect and expects:
             key = payload["capture_key"] = uuid4().hex
-        return PreparedRequest(payload, key, expects if key else ())
+        at_prefill = (key is not None and patch is None and not self.global_capture
+                      and all(spec.positions in PROMPT_ONLY_POSITIONS for spec in capture.values()))
+        return PreparedRequest(payload, key, expects if key else (), results_at_prefill=at_prefill)
 
-    def collector(self, lengths: dict[str, int], requests: Mapping[str, PreparedRequest]) -> ResultCollector:
+    def collector(self, lengths: dict[str, int | None], requests: Mapping[str, PreparedRequest]) -> ResultCollector:
         return ResultCollector(lengths, {key: list(prepared.expects) for key, prepared in requests.items()})
 
     def merged(self, collector: ResultCollector) -> dict[str, dict[str, ConsumerResult]]:
         return collector.merged(self.result_classes)
 
 
-def collect_results(collector: ResultCollector, rpc: Callable[[dict[str, int], float], list],
+def collect_results(collector: ResultCollector, rpc: Callable[[dict[str, int | None], float], list],
                     timeout_s: float = RESULTS_TIMEOUT_S) -> None:
     """Poll the workers (``rpc(pending, wait_s)``) until every key is answered or the time is up."""
     deadline = time.monotonic() + timeout_s
@@ -181,7 +192,7 @@ class ResultsPoller:
         """Polling an async engine client's workers (``collective_rpc``)."""
         return cls(lambda pending, wait_s: engine_client.collective_rpc(RESULTS_RPC, args=(pending, wait_s)))
 
-    def __init__(self, rpc: Callable[[dict[str, int], float], Awaitable[list]], interval_s: float = 0.02,
+    def __init__(self, rpc: Callable[[dict[str, int | None], float], Awaitable[list]], interval_s: float = 0.02,
                  first_interval_s: float = 0.005, first_window_s: float = 0.06, gather_s: float = 0.002) -> None:
         self._rpc = rpc  # (capture key -> final length, seconds the workers may wait) -> per-rank answers
         self._interval_s, self._first_interval_s, self._gather_s = interval_s, first_interval_s, gather_s

@@ -550,3 +550,23 @@ def test_requests_ending_together_are_all_handed_on_before_a_runner_starts_on_th
     assert store_module.FORWARD._open.is_set()
     assert {key: result["inline"]["status"] for key, result in results.items()} == dict.fromkeys("abc", "ok")
     store.close()
+
+
+def test_an_early_ask_ends_nothing_and_takes_results_that_are_whole():
+    """A results ask without a length (a stream's, at its first event) leaves a running request running: an
+    every-token capture answers nothing yet and goes on capturing; a ``last_prompt`` one, ended with the step
+    that read its last prompt row, is answered."""
+    store = make_store()
+    store.lookup("all", extra_args("k-all", "all"), prompt_len=3)
+    store.lookup("last", extra_args("k-last", "last_prompt"), prompt_len=3)
+    for req_id in ("all", "last"):
+        step(store, req_id, 0, 3, torch.randn(3, HIDDEN))
+    answered = {}
+    for _ in range(50):  # the consumer's thread answers within moments
+        answered.update(store.results({"k-all": None, "k-last": None}, wait_s=0.1))
+        if "k-last" in answered:
+            break
+    assert set(answered) == {"k-last"} and answered["k-last"]["inline"]["rows"] == 1
+    step(store, "all", 3, 1, torch.randn(1, HIDDEN))  # still capturing
+    assert store.results({"k-all": 5}, wait_s=5)["k-all"]["inline"]["rows"] == 4
+    store.close()

@@ -126,14 +126,15 @@ STREAMED = {
 }
 
 
-@pytest.mark.parametrize("include_usage", [False, True])
+@pytest.mark.parametrize(("include_usage", "positions"), [(False, "all"), (True, "all"), (False, "all_prompt")])
 @pytest.mark.parametrize("path", list(STREAMED))
-def test_streamed_responses_carry_results_in_their_last_event(server, path, include_usage):
+def test_streamed_responses_carry_results_in_their_last_event(server, path, include_usage, positions):
+    """``all_prompt``: results whole once the prompt has run, which the stream asks for at its first event."""
     url, _ = server
     _, model = _client(url)
     prompt, streamed_text, whole_text = STREAMED[path]
     base = {"model": model, **prompt, "max_tokens": 4, "temperature": 0}
-    capture = {"capture": {"inline": {"hooks": {"pre_attn": [0], "post_block": [5]}, "positions": "all"}}}
+    capture = {"capture": {"inline": {"hooks": {"pre_attn": [0], "post_block": [5]}, "positions": positions}}}
     options = {"stream_options": {"include_usage": True}} if include_usage else {}
     whole = requests.post(f"{url}{path}", json={**base, **capture}, timeout=300).json()
     chunks = _stream(url, path, {**base, **capture, **options})
@@ -151,7 +152,11 @@ def test_streamed_responses_carry_results_in_their_last_event(server, path, incl
     streamed, reference = (ResidualReadout.from_result(r["capture_results"]["inline"]["result"]) for r in (last, whole))
     assert last["capture_results"]["inline"]["status"] == "ok"
     length = whole["usage"]["prompt_tokens"] + whole["usage"]["completion_tokens"]
-    assert streamed.positions == reference.positions == list(range(length - 1))  # the last token is never fed back
+    if positions == "all":
+        length -= 1  # the last token is never fed back
+    else:
+        length = whole["usage"]["prompt_tokens"]
+    assert streamed.positions == reference.positions == list(range(length))
     assert streamed.sites == reference.sites == ["0.pre_attn", "5.post_block"]
     for site in reference.sites:
         torch.testing.assert_close(streamed[site], reference[site], rtol=0, atol=0)

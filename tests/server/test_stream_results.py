@@ -25,7 +25,8 @@ WIRE_RESULT = {"status": "ok", "message": None, "rows": 1, "dropped": 0, "spille
                "result": {"rows": 1, "sites": ["1.post_block"], "stats": pack(torch.ones(1, 1, len(STATS))),
                           "format": "lists"}}
 RESULT = {**WIRE_RESULT, "result": {"rows": 1, "stats": {"1.post_block": {key: [1.0] for key in STATS}}}}
-REQUEST = {"prompt": "x", "max_tokens": 2, "stream": True, "capture": {"logging": {"hooks": {"post_block": [1]}}}}
+REQUEST = {"prompt": "x", "max_tokens": 2, "stream": True,
+           "capture": {"logging": {"hooks": {"post_block": [1]}, "positions": "all"}}}
 DONE = b"data: [DONE]\n\n"
 
 
@@ -66,22 +67,27 @@ class Engine:
     """The workers' results RPC: every key asked for has the logging consumer's result."""
 
     def __init__(self) -> None:
-        self.asked: list[dict[str, int]] = []
+        self.asked: list[dict[str, int | None]] = []
+        self.sent = 0  # vLLM's body messages so far
+        self.asked_after: list[int] = []  # how many had been sent at each ask
 
     async def collective_rpc(self, method: str, args: tuple) -> list[dict]:
         pending, _wait_s = args
         self.asked.append(dict(pending))
+        self.asked_after.append(self.sent)
         return [{key: {"logging": WIRE_RESULT} for key in pending}]
 
 
 def _serve(request: dict, events: Callable[[dict], list[bytes]] = vllm_events,
-           split: Callable[[list[bytes]], list[bytes]] = by_event, status: int = 200) -> SimpleNamespace:
+           split: Callable[[list[bytes]], list[bytes]] = by_event, status: int = 200, gap_s: float = 0.0,
+           global_capture: bool = False) -> SimpleNamespace:
     """Send ``request`` through the middleware to a vLLM that answers ``status`` and ``events(its request)``,
-    split into body messages by ``split``. Returns the request vLLM got, what the client got (in all and
-    after each of vLLM's messages) and the engine."""
+    split into body messages by ``split``, ``gap_s`` apart. Returns the request vLLM got, what the client got (in
+    all and after each of vLLM's messages) and the engine."""
     state = State()
     state.vllm_interp_frontend = InterpFrontend(SteeringState(ModelShape(4, 8), enabled=False),
-                                                {"logging": LoggingConsumer}, patching=False, max_patch_rows=8)
+                                                {"logging": LoggingConsumer}, patching=False, max_patch_rows=8,
+                                                global_capture=global_capture)
     state.engine_client = Engine()
     state.vllm_interp_results = ResultsPoller.for_engine(state.engine_client)
     run = SimpleNamespace(request=None, payload=None, status=None, body=[], after_message=[],
@@ -93,7 +99,9 @@ def _serve(request: dict, events: Callable[[dict], list[bytes]] = vllm_events,
         await send({"type": "http.response.start", "status": status, "headers": []})
         for piece in split(events(run.request)):
             await send({"type": "http.response.body", "body": piece, "more_body": True})
+            run.engine.sent += 1
             run.after_message.append(b"".join(run.body))
+            await asyncio.sleep(gap_s)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def receive():
@@ -180,3 +188,30 @@ def test_token_chunks_as_vllm_writes_them_pass_unparsed_and_the_rest_is_parsed()
     assert not _plainly_a_token(event("", usage=UsageInfo(prompt_tokens=3, completion_tokens=2, total_tokens=5),
                                       choices=False))
     assert not _plainly_a_token(b'data: {"error": {"message": "boom"}}')
+
+
+PROMPT_ONLY = {**REQUEST, "capture": {"logging": {"hooks": {"post_block": [1]}}}}  # last_prompt, the default
+
+
+def test_results_whole_at_prefill_are_asked_for_at_the_first_event():
+    """A stream capturing only its prompt asks for its results while it generates (without a length, which ends
+    nothing), once, and they ride on its last event as ever."""
+    run = _serve(PROMPT_ONLY, gap_s=0.05)
+    ((key, length),) = run.engine.asked[0].items()
+    assert run.engine.asked == [{key: None}] and run.engine.asked_after == [1]
+    plain = _chunks(b"".join(vllm_events(PROMPT_ONLY)))
+    assert _chunks(run.body) == [*plain[:-2], {**plain[-2], "capture_results": {"logging": RESULT}}, "[DONE]"]
+
+
+@pytest.mark.parametrize("request_body, global_capture", [(REQUEST, False), (PROMPT_ONLY, True)])
+def test_other_streams_ask_at_their_end_with_their_length(request_body, global_capture):
+    """Generated positions, or a global capture the workers add to every request: results come at the end."""
+    run = _serve(request_body, gap_s=0.05, global_capture=global_capture)
+    assert [list(asked.values()) for asked in run.engine.asked] == [[7]]
+    assert run.engine.asked_after == [len(vllm_events(run.request)) - 1]  # while [DONE] is passed on
+
+
+def test_an_error_after_an_early_ask_passes_through_untouched():
+    run = _serve(PROMPT_ONLY, events=error_events, gap_s=0.05)
+    assert run.body == b"".join(error_events(run.request))
+

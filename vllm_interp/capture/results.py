@@ -61,14 +61,14 @@ class ResultCollector:
     """Gathers the workers' answers for a set of capture keys over repeated ``interp_capture_results`` calls
     (each worker answers a key once all its consumers are done with it) and merges them per consumer."""
 
-    def __init__(self, lengths: dict[str, int], requested: dict[str, list[str]]) -> None:
-        self.lengths = lengths  # capture key -> final sequence length
+    def __init__(self, lengths: dict[str, int | None], requested: dict[str, list[str]]) -> None:
+        self.lengths = lengths  # capture key -> final sequence length (None: asked for while it may still run)
         self.requested = requested  # capture key -> consumer names the request asked for
         self._answers: dict[str, dict[int, dict[str, Any]]] = {key: {} for key in lengths}
         self._num_ranks: int | None = None
 
     @property
-    def pending(self) -> dict[str, int]:
+    def pending(self) -> dict[str, int | None]:
         ranks = self._num_ranks
         return {k: n for k, n in self.lengths.items() if ranks is None or len(self._answers[k]) < ranks}
 

@@ -779,8 +779,9 @@ class CaptureStore:
         entry.final_length = length
         self._ending[entry.req_id] = entry
 
-    def results(self, lengths: dict[str, int], wait_s: float) -> dict[str, dict[str, dict[str, Any]]]:
-        """Results of the requests with these capture keys (``lengths``: key -> final sequence length).
+    def results(self, lengths: dict[str, int | None], wait_s: float) -> dict[str, dict[str, dict[str, Any]]]:
+        """Results of the requests with these capture keys (``lengths``: key -> final sequence length; None for
+        a request that may still run, asked for early: it is not ended here).
 
         Ends requests not ended yet, finalizes those whose rows have landed (waiting for the copies only when
         ``wait_s`` allows), waits up to ``wait_s`` for their consumers, and returns (and forgets) the results
@@ -789,7 +790,7 @@ class CaptureStore:
         for key, length in lengths.items():
             req_id = self._by_key.get(key)
             entry = self._entries.get(req_id) if req_id is not None else None
-            if entry is not None:
+            if entry is not None and length is not None:
                 self._end_while_running(entry, length)
         # A caller that may wait (offline) waits for the copies too; the API server's polls (no wait) run
         # between the engine's steps and take only what has landed.
@@ -801,8 +802,10 @@ class CaptureStore:
         for key in lengths:
             futures = self._results.get(key)
             if futures is None:
-                if self._by_key.get(key) not in self._ending:
-                    # Never seen here: the request never ran a step on this worker, or this rank captures nothing.
+                req_id = self._by_key.get(key)
+                if req_id not in self._ending and self._entries.get(req_id) is None:
+                    # Never seen here: the request never ran a step on this worker, or this rank captures nothing
+                    # (one asked for early and still capturing is neither).
                     done[key] = {}
                 continue
             if all(f.done() for f in futures.values()):

@@ -17,7 +17,9 @@ A streamed response carries ``capture_results`` in its last event before ``data:
 need the request's final length, which only vLLM's usage chunk tells, so vLLM is asked for that chunk;
 when the client did not ask for it, it is taken out again (its ``system_fingerprint`` going to the chunk
 that finished the choice, where vLLM puts it without usage) and the results ride on the finishing chunk.
-Events pass through as they come, except one that may be the last (see ``_ResultStream``).
+Events pass through as they come, except one that may be the last (see ``_ResultStream``). A stream whose
+results are whole once its prompt has run (``PreparedRequest.results_at_prefill``: ``last_prompt`` or
+``all_prompt`` captures) asks for them at its first event, so its last token does not wait for them.
 
 Every body on these paths is parsed by ``vllm_interp.server.bodies`` (a body that is not JSON, or nested too
 deeply, is a 400 naming ``body``, never a 500); one that carries our fields is held to
@@ -25,6 +27,7 @@ deeply, is a 400 naming ``body``, never a 500); one that carries our fields is h
 (``vllm_interp.capture.limits``).
 """
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass
@@ -36,7 +39,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from vllm_interp.capture.limits import check_capture_bytes
-from vllm_interp.capture.results import ConsumerResult, result_to_json
+from vllm_interp.capture.results import ConsumerResult, ResultCollector, result_to_json
 from vllm_interp.capture.spec import CaptureSpec, CaptureSpecError
 from vllm_interp.frontend import (
     SOURCES_RPC,
@@ -114,7 +117,10 @@ class RequestFieldsMiddleware:
             await self.app(app_scope, app_receive, send)
         elif rewritten.stream:
             stream = _ResultStream(send, scope["app"].state, prepared, rewritten.strip_usage)
-            await self.app(app_scope, app_receive, stream.send)
+            try:
+                await self.app(app_scope, app_receive, stream.send)
+            finally:
+                stream.close()
         else:
             response = _BufferedResponse()
             await self.app(app_scope, app_receive, response.send)
@@ -243,15 +249,23 @@ def _ask_for_usage(state: Any, data: dict[str, Any]) -> bool:
     return True
 
 
-async def _collect(state: Any, prepared: PreparedRequest,
-                   usage: dict[str, Any]) -> tuple[dict[str, Any], ConsumerResult | None]:
+async def _fetched(state: Any, prepared: PreparedRequest, length: int | None) -> ResultCollector:
+    """The workers' answers for the request (``length``: its final length; None: asked for while it may still
+    run, which ends nothing: ``PreparedRequest.results_at_prefill``)."""
+    collector = state.vllm_interp_frontend.collector({prepared.key: length}, {prepared.key: prepared})
+    await state.vllm_interp_results.collect(collector)
+    return collector
+
+
+async def _collect(state: Any, prepared: PreparedRequest, usage: dict[str, Any],
+                   fetching: asyncio.Task[ResultCollector] | None = None,
+                   ) -> tuple[dict[str, Any], ConsumerResult | None]:
     """The request's capture results as JSON (by consumer) and its patch status, from the workers; ``usage``
-    (vLLM's token counts) gives the request's final length."""
+    (vLLM's token counts) gives the request's final length; ``fetching``: the answers asked for early."""
     length = int(usage.get("prompt_tokens", 0)) + int(usage.get("completion_tokens", 0))
     frontend: InterpFrontend = state.vllm_interp_frontend
-    collector = frontend.collector({prepared.key: length}, {prepared.key: prepared})
     started = time.monotonic()
-    await state.vllm_interp_results.collect(collector)
+    collector = await (fetching if fetching is not None else _fetched(state, prepared, length))
     collected = time.monotonic()
     results = frontend.merged(collector)[prepared.key]
     patch = results.pop(PATCH_RESULT, None)
@@ -366,6 +380,9 @@ class _ResultStream:
         self._held: tuple[bytes, dict[str, Any]] | None = None  # (as sent, as parsed)
         self._usage: dict[str, Any] | None = None
         self._pass_through = False
+        # Results whole once the prompt has run are asked for at the first event (which comes after the
+        # prompt's step): by the last token they are here, and the last token is not held while they come.
+        self._early: asyncio.Task[ResultCollector] | None = None
 
     async def send(self, message: Message) -> None:
         if message["type"] == "http.response.start":
@@ -373,6 +390,8 @@ class _ResultStream:
         if message["type"] != "http.response.body" or self._pass_through:
             await self._send(message)
             return
+        if self._early is None and self._prepared.results_at_prefill:
+            self._early = asyncio.ensure_future(_fetched(self._state, self._prepared, None))
         body = message.get("body", b"")
         if not self._partial and self._held is None and message.get("more_body", False) and _one_token(body):
             await self._send(message)  # vLLM's usual message, one token's whole event: passed on as it came
@@ -424,8 +443,13 @@ class _ResultStream:
             return self._release()
         (sent, chunk), self._held = self._held, None
         # A streamed request carries no patch (refused up front), so there is no patch status to report.
-        capture, _ = await _collect(self._state, self._prepared, self._usage)
+        capture, _ = await _collect(self._state, self._prepared, self._usage, self._early)
         return _event_bytes({**chunk, "capture_results": capture}) if capture else sent
+
+    def close(self) -> None:
+        """The stream is over: results asked for early and not taken (an error, a client gone) are let go."""
+        if self._early is not None:  # a no-op for a task that is done
+            self._early.cancel()
 
     def _release(self) -> bytes:
         held, self._held = self._held, None

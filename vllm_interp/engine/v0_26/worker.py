@@ -116,7 +116,7 @@ class InterpWorkerMixin:
             raise RuntimeError("steering is not enabled on this engine")
         tables.set_global(SteeringVectors.from_wire(wire))
 
-    def interp_capture_results(self, lengths: dict[str, int], wait_s: float) -> dict[str, Any]:
+    def interp_capture_results(self, lengths: dict[str, int | None], wait_s: float) -> dict[str, Any]:
         """Per request key, each consumer's result (see CaptureStore.results) and, for a patched request,
         its patch status (under ``"patch"``)."""
         runner = self.model_runner
