@@ -2,6 +2,7 @@
 
     python -m benchmarks.serve MODEL --out FILE.md [--concurrency 128] [--prompt-tokens 512]
         [--max-tokens 512] [--rounds 2] [--workloads idle,steer_distinct,...] [--pin-cpus]
+        [--torch-profile capture_inline,...]
         [--server-arg=--enforce-eager ...]
 
 Both servers start once, side by side, each with its engine core in its own process (how users run them):
@@ -15,6 +16,9 @@ Each run also reports the engine core's forward thread's time on a CPU and waiti
 statistics) and how busy the host's CPUs were: a serving step is host-bound at these sizes, so a forward thread
 that waits for a CPU (taken by the clients or the API servers) makes that run slower, whichever server it is.
 ``--pin-cpus`` keeps them apart: the servers on the first half of the CPUs, the clients on the other half.
+``--torch-profile WORKLOADS`` runs each named workload once more after the rounds, one wave on each server under
+its torch profiler over the wave's first steps (``benchmarks/step_profile.py``): where a feature's prefill
+steps spend their time on the device and in the forward thread's CUDA calls, against plain vLLM's.
 
 Workloads (concurrency N unless said): ``idle`` (every feature enabled, requests without fields; also at
 concurrency 1), ``steer_distinct`` (each request its own random vectors at every layer's post_block),
@@ -54,6 +58,7 @@ from urllib.parse import urlsplit
 import msgspec
 import numpy as np
 
+from benchmarks import step_profile
 from benchmarks.serving import (
     VLLM_INTERP_MODULE,
     VLLM_MODULE,
@@ -69,6 +74,8 @@ from vllm_interp import pack_vectors
 
 WORKLOADS = ("idle", "idle_c1", "steer_distinct", "steer_shared", "steer_global", "capture_inline",
              "capture_filesystem", "patched")
+PROFILED = ("idle", "steer_distinct", "steer_shared", "capture_inline", "capture_filesystem")  # no set-up of their own
+PROFILE_STEPS = 16  # a wave of 128 x 512 prompt tokens prefills in 8 steps of 8,192 tokens
 SOURCE_RUN = "bench-source"
 CLIENT_PROCESSES = 8
 
@@ -316,6 +323,24 @@ class Bench:
     def run(self, url: str, bodies: list[dict[str, Any]], concurrency: int) -> RunStats:
         return run_requests(url, bodies, concurrency, self.pids.get(url), self.client_cpus)
 
+    def profile_pair(self, name: str, profiles: Path) -> list[str]:
+        """One more wave of ``name`` (``--concurrency`` requests) on each server with its torch profiler over the
+        wave's first ``PROFILE_STEPS`` engine steps (its prefill steps, then decode): each step's device time by
+        kernel and the forward thread's CUDA calls, A against B. Left out of the ratios: the profiler slows
+        what it records."""
+        seed = 1000 * self.args.rounds + WORKLOADS.index(name)
+        concurrency, stream, fields = self.workload(name, seed)
+        prompts = self.prompts(seed, concurrency)
+        sections = []
+        for server, url, extra in (("plain", self.plain_url, lambda i: {}), ("interp", self.interp_url, fields)):
+            since = time.time()
+            step_profile.post(url, "/start_profile")
+            self.run(url, [{**self.body(p, stream), **extra(i)} for i, p in enumerate(prompts)], concurrency)
+            step_profile.post(url, "/stop_profile")
+            sections.append(step_profile.summarise(step_profile.traces_since(profiles / server, since),
+                                                   f"{name}: {server}", PROFILE_STEPS))
+        return sections
+
     def run_pair(self, round_index: int, name: str) -> None:
         seed = 1000 * round_index + WORKLOADS.index(name)
         concurrency, stream, fields = self.workload(name, seed)
@@ -395,7 +420,8 @@ def comparison_table(runs: list[tuple[int, str, RunStats, RunStats]], other: str
                     for name, rows in by_workload.items()]
 
 
-def report(bench: Bench, started: str, card: str, wall_s: float, kv_tokens: tuple[str, ...]) -> str:
+def report(bench: Bench, started: str, card: str, wall_s: float, kv_tokens: tuple[str, ...],
+           profile_sections: list[str]) -> str:
     args = bench.args
     lines = [f"# Serving: plain vLLM vs vllm-interp ({date.today().isoformat()})", "",
              f"- Card: {card}", f"- Model: `{args.model}` ({bench.layers} layers, hidden {bench.hidden})",
@@ -420,6 +446,9 @@ def report(bench: Bench, started: str, card: str, wall_s: float, kv_tokens: tupl
     if peer_rows:
         lines += ["", "## Peer: vllm-lens 1.2.1 (C; eager, V1 runner) against the same plain runs (A)", "",
                   *comparison_table(peer_rows, "C", "Median over rounds (vllm-lens / plain):")]
+    if profile_sections:
+        lines += ["", f"## A wave's first {PROFILE_STEPS} engine steps under the torch profiler (one more wave per "
+                  "workload after the rounds, on each server; it slows the steps it records)", "", *profile_sections]
     return "\n".join(lines) + "\n"
 
 
@@ -465,6 +494,9 @@ def main() -> None:
                         help="default: the one vLLM picks (V2 on GPUs); v1: VLLM_USE_V2_MODEL_RUNNER=0")
     parser.add_argument("--server-arg", action="append", default=[], help="passed to both servers (repeatable)")
     parser.add_argument("--start-timeout", type=float, default=600)
+    parser.add_argument("--torch-profile", default="",
+                        help=f"workloads ({', '.join(PROFILED)}) to run once more after the rounds under each "
+                             "server's torch profiler, over the wave's first steps")
     parser.add_argument("--pin-cpus", action="store_true",
                         help="servers on the first half of the CPUs, the clients on the other half")
     parser.add_argument("--peer-site", default=None,
@@ -473,6 +505,9 @@ def main() -> None:
     names = args.workloads.split(",")
     if unknown := sorted(set(names) - set(WORKLOADS)):
         parser.error(f"unknown workloads {unknown} (known: {', '.join(WORKLOADS)})")
+    profiled = [name for name in args.torch_profile.split(",") if name]
+    if unknown := sorted(set(profiled) - set(PROFILED)):
+        parser.error(f"--torch-profile: unknown or unprofiled workloads {unknown} (these: {', '.join(PROFILED)})")
     config = json.loads((Path(args.model) / "config.json").read_text())
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -485,11 +520,16 @@ def main() -> None:
                 "PYTHONPATH": os.pathsep.join(filter(None, [args.peer_site, os.environ.get("PYTHONPATH")]))}
     interp_args = ["--enable-steering", "--max-steering-configs", str(max(args.concurrency, 8)), "--enable-patching",
                    "--capture-consumers", "inline", "--capture-consumers", f"filesystem:root={workdir / 'captures'}"]
+    profiles = workdir / "profiles"
+
+    def profiling(server: str) -> list[str]:
+        return step_profile.profiler_args(profiles / server, skip=0, window=PROFILE_STEPS) if profiled else []
+
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     began = time.monotonic()
-    plain_url, plain = launch_server(common, workdir / "plain.log", plain_env, VLLM_MODULE)
-    interp_url, interp = launch_server([*common, *interp_args], workdir / "interp.log", {**os.environ, **runner_env},
-                                       VLLM_INTERP_MODULE)
+    plain_url, plain = launch_server([*common, *profiling("plain")], workdir / "plain.log", plain_env, VLLM_MODULE)
+    interp_url, interp = launch_server([*common, *interp_args, *profiling("interp")], workdir / "interp.log",
+                                       {**os.environ, **runner_env}, VLLM_INTERP_MODULE)
     servers = {"plain": (plain_url, plain), "interp": (interp_url, interp)}
     if args.peer_site:
         servers["lens"] = launch_server(common, workdir / "lens.log", lens_env, VLLM_MODULE)
@@ -512,10 +552,11 @@ def main() -> None:
         for round_index in range(args.rounds):
             for name in names:
                 bench.run_pair(round_index, name)
+        profile_sections = [section for name in profiled for section in bench.profile_pair(name, profiles)]
     finally:
         for _, process in servers.values():
             stop_server(process)
-    text = report(bench, started, gpu_card(), time.monotonic() - began, kv_tokens)
+    text = report(bench, started, gpu_card(), time.monotonic() - began, kv_tokens, profile_sections)
     Path(args.out).write_text(text)
     print(text)
 

@@ -27,11 +27,12 @@ HOST_CATEGORIES = ("cuda_runtime", "cuda_driver")
 TOP_ITEMS = 12
 
 
-def profiler_args(directory: Path, with_stack: bool = False) -> list[str]:
-    """`vllm serve` arguments for a torch profiler over a window of steps, writing under ``directory``;
-    ``with_stack``: Python calls recorded too."""
+def profiler_args(directory: Path, with_stack: bool = False, skip: int = SKIP_STEPS,
+                  window: int = WINDOW_STEPS) -> list[str]:
+    """`vllm serve` arguments for a torch profiler over ``window`` steps, ``skip`` steps after each start,
+    writing under ``directory``; ``with_stack``: Python calls recorded too."""
     config = {"profiler": "torch", "torch_profiler_dir": str(directory), "torch_profiler_with_stack": with_stack,
-              "ignore_frontend": True, "delay_iterations": SKIP_STEPS, "max_iterations": WINDOW_STEPS}
+              "ignore_frontend": True, "delay_iterations": skip, "max_iterations": window}
     return ["--profiler-config", json.dumps(config)]
 
 
@@ -46,13 +47,13 @@ def traces_since(directory: Path, since: float) -> list[Path]:
                   and (p.name.endswith(".json") or p.name.endswith(".json.gz")))
 
 
-def span_note(spans: list[float], busy_total: float) -> str:
+def span_note(spans: list[float], busy_total: float, window: int = WINDOW_STEPS) -> str:
     """The window's wall time per step on the device's clock, and the busy share of it: a step whose device
     busy time is unchanged but whose span grew lost the difference on the host."""
     if not spans:
         return ""
     span = sum(spans) / len(spans)
-    return f"; span {span / WINDOW_STEPS:.0f} us per step, busy {busy_total / len(spans) / span:.2f} of it"
+    return f"; span {span / window:.0f} us per step, busy {busy_total / len(spans) / span:.2f} of it"
 
 
 def python_self_and_total(events: list[dict], self_time: Counter[str], total_time: Counter[str]) -> None:
@@ -87,8 +88,9 @@ def python_self_and_total(events: list[dict], self_time: Counter[str], total_tim
         close(call)
 
 
-def summarise(traces: list[Path], label: str) -> str:
-    """The device's busy time per profiled step in ``traces``, and its largest items, as Markdown."""
+def summarise(traces: list[Path], label: str, window: int = WINDOW_STEPS) -> str:
+    """The device's busy time per profiled step in ``traces`` (of ``window`` steps), and its largest items, as
+    Markdown."""
     if not traces:
         return f"### {label}\n\nno trace was written\n"
     busy: Counter[str] = Counter()
@@ -122,20 +124,21 @@ def summarise(traces: list[Path], label: str) -> str:
             spans.append(max(end for _, end in device_times) - min(start for start, _ in device_times))
     what, items = ("device", busy) if busy else ("CPU operators (no device events)", cpu_ops)
     total = sum(items.values())
-    lines = [f"### {label}", "", f"{len(traces)} trace(s); {what}: {total / WINDOW_STEPS:.0f} us per profiled step "
-             f"({WINDOW_STEPS} steps)" + span_note(spans, total), "", "| item | us per step | share |", "|---|---|---|"]
+    lines = [f"### {label}", "", f"{len(traces)} trace(s); {what}: {total / window:.0f} us per profiled step "
+             f"({window} steps)" + span_note(spans, total, window), "", "| item | us per step | share |",
+             "|---|---|---|"]
     for name, duration in items.most_common(TOP_ITEMS):
-        lines.append(f"| `{name}` | {duration / WINDOW_STEPS:.1f} | {duration / total:.3f} |")
+        lines.append(f"| `{name}` | {duration / window:.1f} | {duration / total:.3f} |")
     if host_time:
-        lines += ["", f"Host: CUDA calls, {sum(host_time.values()) / WINDOW_STEPS:.0f} us per step", "",
+        lines += ["", f"Host: CUDA calls, {sum(host_time.values()) / window:.0f} us per step", "",
                   "| call | calls per step | us per step | longest us |", "|---|---|---|---|"]
         for name, duration in host_time.most_common(TOP_ITEMS):
-            lines.append(f"| `{name}` | {host_calls[name] / WINDOW_STEPS:.1f} | {duration / WINDOW_STEPS:.1f} | "
+            lines.append(f"| `{name}` | {host_calls[name] / window:.1f} | {duration / window:.1f} | "
                          f"{host_longest[name]:.0f} |")
     if ours_self:
-        own = sum(ours_self.values()) / WINDOW_STEPS
+        own = sum(ours_self.values()) / window
         lines += ["", f"Host: vllm-interp's Python on the forward thread, {own:.0f} us per step (self)", "",
                   "| function | self us per step | total us per step |", "|---|---|---|"]
-        lines += [f"| `{name}` | {duration / WINDOW_STEPS:.1f} | {ours_total[name] / WINDOW_STEPS:.1f} |"
+        lines += [f"| `{name}` | {duration / window:.1f} | {ours_total[name] / window:.1f} |"
                   for name, duration in ours_self.most_common(TOP_ITEMS)]
     return "\n".join(lines) + "\n"
