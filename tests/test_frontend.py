@@ -108,3 +108,23 @@ def test_time_runs_out_with_keys_still_pending():
     collector = _collector("slow")
     asyncio.run(poller.collect(collector, timeout_s=0.01))
     assert collector.pending == {"slow": 5}
+
+
+def test_keys_asked_for_early_wait_for_the_long_interval_until_hurried():
+    """A patient key (a stream's prompt-only results, asked for while it generates) is not asked again at the
+    short interval; ``hurry`` (its stream ended) has it asked at once, then at the short interval."""
+    workers = Workers(ready_after=4)
+    poller = ResultsPoller(workers.rpc, interval_s=60.0, first_interval_s=0.001, first_window_s=5.0, gather_s=0.0)
+    collector = _collector("early")
+
+    async def main():
+        asking = asyncio.create_task(poller.collect(collector, patient=True))
+        await asyncio.sleep(0.2)
+        asked_before = len(workers.calls)
+        poller.hurry(collector)
+        await asking
+        return asked_before
+
+    started = time.monotonic()
+    assert asyncio.run(main()) == 1  # one round, then the long interval
+    assert workers.calls == [{"early"}] * 4 and time.monotonic() - started < 10

@@ -10,6 +10,7 @@ for every request awaiting results at once.
 """
 
 import asyncio
+import contextlib
 import hashlib
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -172,6 +173,7 @@ class _Waiter:
     deadline: float
     done: asyncio.Future
     since: float  # when its caller began to wait
+    patient: bool = False  # asked for early, nobody waiting yet: polled at the long interval (``hurry`` ends it)
 
 
 class ResultsPoller:
@@ -185,7 +187,10 @@ class ResultsPoller:
     caller has waited less than ``first_window_s`` (the first round hands a request that just ended to its
     consumers; 64 every-token requests ending together took the worker 10-25 ms to answer, and with three
     short rounds before the long interval an H200 host's streams waited 36-57 ms), ``interval_s`` after
-    that, so that keys whose consumers take long are not asked for at the short interval."""
+    that, so that keys whose consumers take long are not asked for at the short interval. Keys asked for
+    early (``patient``: a stream's prompt-only results, while it generates) go at the long interval, so that a
+    wave of starting streams does not interrupt the engine every few milliseconds; ``hurry`` makes one a fresh
+    wait, at once, when its caller comes to need it."""
 
     @classmethod
     def for_engine(cls, engine_client: Any) -> "ResultsPoller":
@@ -199,17 +204,29 @@ class ResultsPoller:
         self._first_window_s = first_window_s
         self._waiting: list[_Waiter] = []
         self._task: asyncio.Task | None = None
+        self._hurried: asyncio.Event | None = None  # cuts the wait between rounds short (``hurry``)
 
-    async def collect(self, collector: ResultCollector, timeout_s: float = RESULTS_TIMEOUT_S) -> None:
-        """Return once every key of ``collector`` is answered, or ``timeout_s`` has passed."""
+    async def collect(self, collector: ResultCollector, timeout_s: float = RESULTS_TIMEOUT_S,
+                      patient: bool = False) -> None:
+        """Return once every key of ``collector`` is answered, or ``timeout_s`` has passed; ``patient``: asked
+        for early (see the class)."""
         if not collector.pending:
             return
         done = asyncio.get_running_loop().create_future()
         now = time.monotonic()
-        self._waiting.append(_Waiter(collector, now + timeout_s, done, since=now))
+        self._waiting.append(_Waiter(collector, now + timeout_s, done, since=now, patient=patient))
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._poll())
         await done
+
+    def hurry(self, collector: ResultCollector) -> None:
+        """Its caller now waits for ``collector``'s keys, asked for patiently: poll them now, then as a fresh
+        wait is polled."""
+        for waiter in self._waiting:
+            if waiter.collector is collector and waiter.patient:
+                waiter.patient, waiter.since = False, time.monotonic()
+                if self._hurried is not None:
+                    self._hurried.set()
 
     async def _poll(self) -> None:
         await asyncio.sleep(self._gather_s)
@@ -229,8 +246,12 @@ class ResultsPoller:
                 if not collector.pending or now >= waiter.deadline or waiter.done.done():  # done: caller went away
                     self._settle(waiter, None)
             if self._waiting:
-                early = any(now - waiter.since < self._first_window_s for waiter in self._waiting)
-                await asyncio.sleep(self._first_interval_s if early else self._interval_s)
+                early = any(now - waiter.since < self._first_window_s for waiter in self._waiting
+                            if not waiter.patient)
+                self._hurried = asyncio.Event()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._hurried.wait(), self._first_interval_s if early else self._interval_s)
+                self._hurried = None
 
     def _settle(self, waiter: _Waiter, error: Exception | None) -> None:
         self._waiting.remove(waiter)

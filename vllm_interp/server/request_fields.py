@@ -249,23 +249,32 @@ def _ask_for_usage(state: Any, data: dict[str, Any]) -> bool:
     return True
 
 
-async def _fetched(state: Any, prepared: PreparedRequest, length: int | None) -> ResultCollector:
-    """The workers' answers for the request (``length``: its final length; None: asked for while it may still
-    run, which ends nothing: ``PreparedRequest.results_at_prefill``)."""
-    collector = state.vllm_interp_frontend.collector({prepared.key: length}, {prepared.key: prepared})
-    await state.vllm_interp_results.collect(collector)
-    return collector
+_EarlyAsk = tuple[ResultCollector, asyncio.Future]  # the collector of an ask made early, and its polling
 
 
-async def _collect(state: Any, prepared: PreparedRequest, usage: dict[str, Any],
-                   fetching: asyncio.Task[ResultCollector] | None = None,
+def _ask_early(state: Any, prepared: PreparedRequest) -> _EarlyAsk:
+    """Ask the workers for the request's results while it still runs (``PreparedRequest.results_at_prefill``):
+    the ask carries no length, which ends nothing, and is polled patiently until ``_collect`` needs it."""
+    collector = state.vllm_interp_frontend.collector({prepared.key: None}, {prepared.key: prepared})
+    return collector, asyncio.ensure_future(state.vllm_interp_results.collect(collector, patient=True))
+
+
+
+async def _collect(state: Any, prepared: PreparedRequest, usage: dict[str, Any], early: _EarlyAsk | None = None,
                    ) -> tuple[dict[str, Any], ConsumerResult | None]:
     """The request's capture results as JSON (by consumer) and its patch status, from the workers; ``usage``
-    (vLLM's token counts) gives the request's final length; ``fetching``: the answers asked for early."""
-    length = int(usage.get("prompt_tokens", 0)) + int(usage.get("completion_tokens", 0))
+    (vLLM's token counts) gives the request's final length; ``early``: its results asked for already."""
     frontend: InterpFrontend = state.vllm_interp_frontend
     started = time.monotonic()
-    collector = await (fetching if fetching is not None else _fetched(state, prepared, length))
+    collector = None
+    if early is not None:
+        collector, waiting = early
+        state.vllm_interp_results.hurry(collector)
+        await waiting
+    if collector is None or collector.pending:  # not asked for early, or that ask ran out of time
+        length = int(usage.get("prompt_tokens", 0)) + int(usage.get("completion_tokens", 0))
+        collector = frontend.collector({prepared.key: length}, {prepared.key: prepared})
+        await state.vllm_interp_results.collect(collector)
     collected = time.monotonic()
     results = frontend.merged(collector)[prepared.key]
     patch = results.pop(PATCH_RESULT, None)
@@ -382,7 +391,7 @@ class _ResultStream:
         self._pass_through = False
         # Results whole once the prompt has run are asked for at the first event (which comes after the
         # prompt's step): by the last token they are here, and the last token is not held while they come.
-        self._early: asyncio.Task[ResultCollector] | None = None
+        self._early: _EarlyAsk | None = None
 
     async def send(self, message: Message) -> None:
         if message["type"] == "http.response.start":
@@ -391,7 +400,7 @@ class _ResultStream:
             await self._send(message)
             return
         if self._early is None and self._prepared.results_at_prefill:
-            self._early = asyncio.ensure_future(_fetched(self._state, self._prepared, None))
+            self._early = _ask_early(self._state, self._prepared)
         body = message.get("body", b"")
         if not self._partial and self._held is None and message.get("more_body", False) and _one_token(body):
             await self._send(message)  # vLLM's usual message, one token's whole event: passed on as it came
@@ -448,8 +457,8 @@ class _ResultStream:
 
     def close(self) -> None:
         """The stream is over: results asked for early and not taken (an error, a client gone) are let go."""
-        if self._early is not None:  # a no-op for a task that is done
-            self._early.cancel()
+        if self._early is not None:  # a no-op for an ask that is answered
+            self._early[1].cancel()
 
     def _release(self) -> bytes:
         held, self._held = self._held, None
