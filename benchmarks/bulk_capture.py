@@ -4,7 +4,8 @@ requests that capture nothing.
     python -m benchmarks.bulk_capture MODEL --out FILE.md [--concurrency 64] [--prompt-tokens 256]
         [--max-tokens 256] [--rounds 2] [--warmup-rounds 1] [--isolation process|thread]
         [--phases plain,logging_packed,...]
-        [--py-spy PATH] [--torch-profile] [--disk-mb 2048] [--disk-only] [--server-arg=--enforce-eager ...]
+        [--py-spy PATH] [--torch-profile] [--profile-steps 30:40] [--disk-mb 2048] [--disk-only]
+        [--server-arg=--enforce-eager ...]
 
 One server with the ``logging`` consumer and the ``filesystem`` consumer (``layout=sharded``), each where it
 runs by default (``logging`` on a worker thread, ``filesystem`` in its own process; ``--isolation`` puts both
@@ -38,8 +39,10 @@ the thread holding each process's interpreter lock), into ``py-spy-<round>-<phas
 ``--torch-profile`` runs vLLM's torch profiler over a window of decode steps of every phase, plain included
 (``benchmarks/step_profile.py``), and adds each phase's device time per step, by kernel, and the forward
 thread's CUDA calls to the report; ``--torch-profile-stack`` also records Python calls (torch's Python tracer)
-and adds the time per step of vllm-interp's own functions. The profiler slows the steps it records (the Python
-tracer much more): that run's throughput figures are not comparable with others'.
+and adds the time per step of vllm-interp's own functions; ``--profile-steps SKIP:STEPS`` moves the window
+(default 30:40, decode steps; ``0:300`` a whole burst of 256-token requests, prefill and end included). The
+profiler slows the steps it records (the Python tracer much more): that run's throughput figures are not
+comparable with others'.
 """
 
 import argparse
@@ -301,6 +304,8 @@ def main() -> None:
     parser.add_argument("--torch-profile", action="store_true", help="device time per step of each phase, by kernel")
     parser.add_argument("--torch-profile-stack", action="store_true",
                         help="--torch-profile with Python calls: vllm-interp's own functions' time per step")
+    parser.add_argument("--profile-steps", default=f"{step_profile.SKIP_STEPS}:{step_profile.WINDOW_STEPS}",
+                        help="--torch-profile's window, SKIP:STEPS (0:300 covers a whole burst, prefill included)")
     args = parser.parse_args()
     asked = args.phases.split(",")
     unknown = set(asked) - set(PHASES)
@@ -324,7 +329,9 @@ def main() -> None:
     isolation = f",isolation={args.isolation}" if args.isolation else ""
     profiles = workdir / "profiles"
     args.torch_profile = args.torch_profile or args.torch_profile_stack
-    profiling = step_profile.profiler_args(profiles, args.torch_profile_stack) if args.torch_profile else []
+    skip, window = (int(n) for n in args.profile_steps.split(":"))
+    profiling = step_profile.profiler_args(profiles, args.torch_profile_stack, skip, window) if args.torch_profile \
+        else []
     profile_sections: list[str] = []
     url, server = launch_server(
         [args.model, "--max-model-len", str(args.prompt_tokens + args.max_tokens + 16), *args.server_arg, *profiling,
@@ -365,7 +372,7 @@ def main() -> None:
                 if args.torch_profile:
                     step_profile.post(url, "/stop_profile")
                     profile_sections.append(step_profile.summarise(step_profile.traces_since(profiles, since),
-                                                                   f"round {round_index} {name}"))
+                                                                   f"round {round_index} {name}", window))
                 # Every position but the last generated one goes through the model, at every layer.
                 rows = len(stats.ok) * (args.prompt_tokens + args.max_tokens - 1) * layers if capture else 0
                 phases.append(Phase(round_index, name, stats, rows * hidden * itemsize, steps))
