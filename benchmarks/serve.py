@@ -320,7 +320,10 @@ class Bench:
                  "source": {"run": SOURCE_RUN, "position": position}} for layer in range(self.layers)]}),
         }[name]
 
-    def run(self, url: str, bodies: list[dict[str, Any]], concurrency: int) -> RunStats:
+    def run(self, url: str, prompts: list[list[int]], stream: bool, concurrency: int,
+            fields: Callable[[int], dict[str, Any]] = lambda i: {}) -> RunStats:
+        """The prompts as requests to ``url``, each with ``fields(its index)`` added."""
+        bodies = [{**self.body(p, stream), **fields(i)} for i, p in enumerate(prompts)]
         return run_requests(url, bodies, concurrency, self.pids.get(url), self.client_cpus)
 
     def profile_pair(self, name: str, profiles: Path) -> list[str]:
@@ -335,7 +338,7 @@ class Bench:
         for server, url, extra in (("plain", self.plain_url, lambda i: {}), ("interp", self.interp_url, fields)):
             since = time.time()
             step_profile.post(url, "/start_profile")
-            self.run(url, [{**self.body(p, stream), **extra(i)} for i, p in enumerate(prompts)], concurrency)
+            self.run(url, prompts, stream, concurrency, extra)
             step_profile.post(url, "/stop_profile")
             sections.append(step_profile.summarise(step_profile.traces_since(profiles / server, since),
                                                    f"{name}: {server}", PROFILE_STEPS))
@@ -354,16 +357,14 @@ class Bench:
                                                    "tag": SOURCE_RUN}}}
             post(self.interp_url, "/v1/completions", source)
         try:
-            baseline = self.run(self.plain_url, [self.body(p, stream) for p in prompts], concurrency)
-            feature = self.run(self.interp_url, [{**self.body(p, stream), **fields(i)}
-                                                     for i, p in enumerate(prompts)], concurrency)
+            baseline = self.run(self.plain_url, prompts, stream, concurrency)
+            feature = self.run(self.interp_url, prompts, stream, concurrency, fields)
         finally:
             if name == "steer_global":
                 post(self.interp_url, "/v1/steering/clear", {})
         peer = None
         if self.lens_url is not None and (lens_fields := self.lens_workload(name, seed)) is not None:
-            peer = self.run(self.lens_url, [{**self.body(p, stream), **lens_fields(i)}
-                                                for i, p in enumerate(prompts)], concurrency)
+            peer = self.run(self.lens_url, prompts, stream, concurrency, lens_fields)
         self.pairs.append((round_index, name, baseline, feature, peer))
         print(f"round {round_index} {name}: {describe(baseline)} | {describe(feature)}"
               + (f" | vllm-lens {describe(peer)}" if peer is not None else ""), flush=True)
@@ -455,7 +456,8 @@ def report(bench: Bench, started: str, card: str, wall_s: float, kv_tokens: tupl
 def cpu_table(bench: Bench) -> list[str]:
     """Per run, the engine core's forward thread's time on a CPU and waiting for one, and how busy the host's
     CPUs were: a forward thread that waits for a CPU lengthens every step, whichever server it belongs to."""
-    rows = [(r, name, a, b) for r, name, a, b, _ in bench.pairs if a.forward_thread() and b.forward_thread()]
+    rows = [(r, name, a, b, clocks) for r, name, a, b, _ in bench.pairs
+            if None not in (clocks := (a.forward_thread(), b.forward_thread()))]
     if not rows:
         return []
     pinned = f"clients pinned to CPUs {sorted(bench.client_cpus)}" if bench.client_cpus else "nothing pinned"
@@ -463,8 +465,7 @@ def cpu_table(bench: Bench) -> list[str]:
              f"a CPU, and the host's CPUs in use ({pinned}), A / B:", "",
              "| round | workload | wall s | forward thread on a CPU ms | waiting for a CPU ms | host CPUs busy |",
              "|---|---|---|---|---|---|"]
-    for round_index, name, a, b in rows:
-        (a_ran, a_queued), (b_ran, b_queued) = a.forward_thread(), b.forward_thread()
+    for round_index, name, a, b, ((a_ran, a_queued), (b_ran, b_queued)) in rows:
         lines.append(f"| {round_index} | {name} | {a.wall_s:.2f} / {b.wall_s:.2f} | {a_ran:.0f} / {b_ran:.0f} | "
                      f"{a_queued:.0f} / {b_queued:.0f} | {fmt(a.host_busy, 2)} / {fmt(b.host_busy, 2)} |")
     return lines
@@ -533,8 +534,9 @@ def main() -> None:
     servers = {"plain": (plain_url, plain), "interp": (interp_url, interp)}
     if args.peer_site:
         servers["lens"] = launch_server(common, workdir / "lens.log", lens_env, VLLM_MODULE)
-    server_cpus, client_cpus = split_cpus()
+    client_cpus = None
     if args.pin_cpus:  # still importing: every process and thread a server starts inherits its CPUs
+        server_cpus, client_cpus = split_cpus()
         for _, process in servers.values():
             os.sched_setaffinity(process.pid, server_cpus)
     try:
@@ -545,7 +547,7 @@ def main() -> None:
         bench = Bench(args, plain_url, interp_url, config["num_hidden_layers"], config["hidden_size"],
                       config["vocab_size"], lens_url=servers["lens"][0] if "lens" in servers else None,
                       pids={url: process.pid for url, process in servers.values()},
-                      client_cpus=client_cpus if args.pin_cpus else None)
+                      client_cpus=client_cpus)
         warm_up = [bench.body(p) for p in bench.prompts(99, 2)]  # first requests pay one-off costs; not reported
         for url, _ in servers.values():
             run_requests(url, warm_up, 2)
