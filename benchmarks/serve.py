@@ -8,17 +8,19 @@
 Both servers start once, side by side, each with its engine core in its own process (how users run them):
 plain `vllm serve` and `vllm-interp serve`, both on the model runner vLLM picks (V2 for dense models on GPUs;
 ``--runner v1`` puts both on V1, so the ratios compare like with like either way), vllm-interp with steering,
-patching and the inline
-and filesystem consumers enabled. Every round runs each workload as a pair, A then B: the same fresh prompts
-against plain vLLM without fields (the baseline) and against vllm-interp with the workload's fields, so drift
-shows as rounds that disagree. Ratios are feature / baseline; the summary takes the median over rounds.
+patching and the inline and filesystem consumers enabled. Every round runs each workload as a pair: the same
+fresh prompts against plain vLLM without fields (A, the baseline) and against vllm-interp with the workload's
+fields (B), A then B in even rounds and B then A in odd ones (the GPU and the host are shared, so whatever the
+first run of a pair leaves behind falls on each server alike), and drift shows as rounds that disagree. Ratios
+are feature / baseline; the summary takes the median over rounds.
 Each run also reports the engine core's forward thread's time on a CPU and waiting for one (Linux's scheduler
 statistics) and how busy the host's CPUs were: a serving step is host-bound at these sizes, so a forward thread
 that waits for a CPU (taken by the clients or the API servers) makes that run slower, whichever server it is.
 ``--pin-cpus`` keeps them apart: the servers on the first half of the CPUs, the clients on the other half.
 ``--torch-profile WORKLOADS`` runs each named workload once more after the rounds, one wave on each server under
 its torch profiler over the wave's first steps (``benchmarks/step_profile.py``): where a feature's prefill
-steps spend their time on the device and in the forward thread's CUDA calls, against plain vLLM's.
+steps spend their time on the device and in the forward thread's CUDA calls, against plain vLLM's;
+``--torch-profile-stack`` records Python calls there too (the traces stay under ``WORKDIR/profiles``).
 
 Workloads (concurrency N unless said): ``idle`` (every feature enabled, requests without fields; also at
 concurrency 1), ``steer_distinct`` (each request its own random vectors at every layer's post_block),
@@ -357,8 +359,12 @@ class Bench:
                                                    "tag": SOURCE_RUN}}}
             post(self.interp_url, "/v1/completions", source)
         try:
-            baseline = self.run(self.plain_url, prompts, stream, concurrency)
-            feature = self.run(self.interp_url, prompts, stream, concurrency, fields)
+            if round_index % 2 == 0:
+                baseline = self.run(self.plain_url, prompts, stream, concurrency)
+                feature = self.run(self.interp_url, prompts, stream, concurrency, fields)
+            else:
+                feature = self.run(self.interp_url, prompts, stream, concurrency, fields)
+                baseline = self.run(self.plain_url, prompts, stream, concurrency)
         finally:
             if name == "steer_global":
                 post(self.interp_url, "/v1/steering/clear", {})
@@ -431,7 +437,8 @@ def report(bench: Bench, started: str, card: str, wall_s: float, kv_tokens: tupl
              f"- Model runner (both servers): {args.runner}; server args: `{' '.join(args.server_arg)}`",
              f"- KV cache: plain {kv_tokens[0]} tokens, vllm-interp {kv_tokens[1]} tokens"
              + (f", vllm-lens {kv_tokens[2]} tokens" if len(kv_tokens) > 2 else ""),
-             f"- Started {started}; {args.rounds} rounds, A (plain) then B (vllm-interp) per workload; {wall_s:.0f} s",
+             f"- Started {started}; {args.rounds} rounds, A (plain) and B (vllm-interp) per workload, A first in "
+             f"even rounds and B first in odd ones; {wall_s:.0f} s",
              "", *comparison_table([(r, name, a, b) for r, name, a, b, _ in bench.pairs], "B",
                                    "Median over rounds (feature / baseline):")]
     lines += ["", "Where the time to the first token goes, mean ms per request (client; from each server's "
@@ -498,6 +505,8 @@ def main() -> None:
     parser.add_argument("--torch-profile", default="",
                         help=f"workloads ({', '.join(PROFILED)}) to run once more after the rounds under each "
                              "server's torch profiler, over the wave's first steps")
+    parser.add_argument("--torch-profile-stack", action="store_true",
+                        help="--torch-profile with Python calls recorded (torch's Python tracer; much slower steps)")
     parser.add_argument("--pin-cpus", action="store_true",
                         help="servers on the first half of the CPUs, the clients on the other half")
     parser.add_argument("--peer-site", default=None,
@@ -524,7 +533,8 @@ def main() -> None:
     profiles = workdir / "profiles"
 
     def profiling(server: str) -> list[str]:
-        return step_profile.profiler_args(profiles / server, skip=0, window=PROFILE_STEPS) if profiled else []
+        return step_profile.profiler_args(profiles / server, args.torch_profile_stack, skip=0,
+                                          window=PROFILE_STEPS) if profiled else []
 
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     began = time.monotonic()
