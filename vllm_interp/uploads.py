@@ -11,6 +11,8 @@ has read it. The staging copy is numpy's, on the calling thread: small torch CPU
 patching and capture; on the CPU the data is simply wrapped.
 """
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
@@ -32,6 +34,17 @@ def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     if not array.size:  # nothing to copy (and no pinned block to ask for)
         return torch.empty(array.shape, dtype=_torch_dtype(array), device=device)
     return _pinned(array).to(device, non_blocking=True)
+
+
+def stack_to_device(arrays: Sequence[np.ndarray], device: torch.device) -> torch.Tensor:
+    """``np.stack(arrays)`` in float32 as a new tensor on ``device``: stacked straight into the pinned block, one
+    host copy of the data instead of two (a burst of 128 all-layer steering configs stacks 16 MiB)."""
+    if device.type != "cuda" or not arrays:
+        stacked = np.stack(arrays) if arrays else np.empty((0, 0))
+        return to_device(stacked.astype(np.float32, copy=False), device)
+    host = torch.empty((len(arrays), *np.shape(arrays[0])), dtype=torch.float32, pin_memory=True)
+    np.stack(arrays, out=host.numpy())
+    return host.to(device, non_blocking=True)
 
 
 def copy_into(target: torch.Tensor, array: np.ndarray) -> None:

@@ -16,13 +16,13 @@ HIDDEN = 8
 HELD = {0: 0, 2: 1}  # layer -> its slot in the tables (layer 1 is another pipeline stage's)
 
 
-def _tables() -> SteeringTables:
+def _tables(max_configs: int = 1) -> SteeringTables:
     bank = SiteBank(layers=sorted(HELD), steer_index=torch.zeros(4, dtype=torch.long),
-                    steer_table=torch.zeros(len(HELD), 3, table_rows(1), HIDDEN, dtype=torch.bfloat16),
+                    steer_table=torch.zeros(len(HELD), 3, table_rows(max_configs), HIDDEN, dtype=torch.bfloat16),
                     patch_index=torch.zeros(len(HELD), 3, 1, dtype=torch.long), patch_values=torch.zeros(1, HIDDEN),
                     patch_alpha=torch.zeros(1), read_slot=torch.full((1,), -1), read_flags=torch.zeros(len(HELD), 3),
                     read_out=torch.zeros(len(HELD), 3, 0, HIDDEN))
-    return SteeringTables(bank, max_configs=1)  # one slot: the second request reuses the first one's
+    return SteeringTables(bank, max_configs)  # one slot by default: the second request reuses the first one's
 
 
 def _vectors(seed: int, **tiers: list[str]) -> SteeringVectors:
@@ -64,6 +64,22 @@ def test_slot_rows_hold_global_plus_request_vectors_per_phase_and_nothing_of_a_l
     assert reused.index == slot.index
     for phase in ("prefill", "decode"):
         assert torch.equal(table[:, :, reused.row(phase)], _expected_row(global_vectors + second, phase)), phase
+
+
+def test_configs_queued_together_are_written_in_one_upload_each_to_its_own_rows():
+    tables = _tables(max_configs=4)
+    table = tables.bank.steer_table
+    configs = {
+        "base": _vectors(3, base=["0.pre_attn", "2.post_block"]),
+        "split": _vectors(4, base=["2.post_attn"], prefill=["0.post_block"], decode=["2.post_attn", "1.pre_attn"]),
+        "same sites": _vectors(5, base=["0.pre_attn", "2.post_block"]),  # the first config's names, other values
+        "other stage": _vectors(6, base=["1.post_block"]),  # nothing this stage holds
+    }
+    slots = {digest: tables.lookup(digest, _request(vectors, digest)) for digest, vectors in configs.items()}
+    tables.upload_pending()
+    for digest, vectors in configs.items():
+        for phase in ("prefill", "decode"):
+            assert torch.equal(table[:, :, slots[digest].row(phase)], _expected_row(vectors, phase)), (digest, phase)
 
 
 def test_a_step_looks_up_only_its_new_requests_and_frees_the_slots_of_those_that_left_before_taking_new_ones():

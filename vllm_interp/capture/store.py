@@ -545,7 +545,7 @@ class CaptureStore:
         steady = self._steady_of(plan)
         sites = steady.sites if steady is not None else _readers_sites(self._entries[r] for r in plan.req_ids)
         reads = StepReads(self._device_rows(plan.rows, device), sites) if sites else None
-        if self.bank.graph_read_rows and step_tokens <= self.max_graph_tokens:
+        if self.bank.graph_read_rows and self.may_replay(step_tokens):
             self._arm_graph_reads(reads if reads is not None and self.fits_graph(plan.num_rows) else None)
         return reads
 
@@ -560,6 +560,10 @@ class CaptureStore:
         uploaded = to_device(rows, device)
         self._last_rows = (rows, uploaded)
         return uploaded
+
+    def may_replay(self, step_tokens: int) -> bool:
+        """Whether a step of ``step_tokens`` tokens may replay CUDA graphs at all (no larger one is captured)."""
+        return step_tokens <= self.max_graph_tokens
 
     def fits_graph(self, num_rows: int) -> bool:
         """Whether a step reading ``num_rows`` rows may replay CUDA graphs (the same answer on every rank)."""

@@ -21,11 +21,12 @@ from vllm_interp.models.registry import SiteBank
 from vllm_interp.request_args import interp_args
 from vllm_interp.row_plan import BatchLayout
 from vllm_interp.steering.vectors import SteeringVectors
-from vllm_interp.uploads import copy_into, to_device
+from vllm_interp.uploads import copy_into, stack_to_device, to_device
 
 GLOBAL_ROWS = {"prefill": 1, "decode": 2}
 FIRST_SLOT_ROW = 3
 NO_SLOT = -1  # the prefill row of a request without a config slot
+SITE_LISTS_KEPT = 1024  # site-name lists whose coordinates a table remembers (names come from requests)
 
 
 @lru_cache(maxsize=4096)  # site names seen by table writes: a few per layer (bounded: names come from requests)
@@ -77,6 +78,7 @@ class SteeringTables:
         self._dirty = 0
         self._pending: dict[int, SteeringVectors] = {}  # prefill row -> the vectors it and its decode row take
         self._steered_sites: frozenset[Site] | None = frozenset()  # None: stale since a slot or global change
+        self._site_coords: dict[tuple[str, ...], tuple[list[int], np.ndarray]] = {}
 
     # -- global state --------------------------------------------------------------------------------
     def set_global(self, vectors: SteeringVectors) -> None:
@@ -196,35 +198,61 @@ class SteeringTables:
         if not self._pending:
             return
         pending, self._pending = self._pending, {}
+        rows = sorted({row + phase for row in pending for phase in (0, 1)})
         coords, vectors = self._sites_of(pending)
         table = self.bank.steer_table
-        rows = sorted({row + phase for row in pending for phase in (0, 1)})
-        ints = to_device(np.concatenate([np.asarray(rows, np.int64), np.asarray(coords, np.int64).T.ravel()]),
-                         table.device)
+        ints = to_device(np.concatenate([np.asarray(rows, np.int64), coords.ravel()]), table.device)
         table.index_fill_(2, ints[: len(rows)], 0)
-        if coords:
-            layer_slots, hooks, at_rows, sources = ints[len(rows):].view(4, len(coords))
-            values = to_device(np.stack(vectors).astype(np.float32, copy=False), table.device)
+        if vectors:
+            layer_slots, hooks, at_rows, sources = ints[len(rows):].view(4, -1)
+            values = stack_to_device(vectors, table.device)
             table[layer_slots, hooks, at_rows] = values[sources].to(table.dtype)
 
-    def _sites_of(self, pending: dict[int, SteeringVectors]) -> tuple[list[tuple[int, ...]], list[np.ndarray]]:
-        """``(layer slot, hook, table row, vector index)`` of every held site of the queued rows, and the
-        vectors, each once (a config of base vectors alone puts the same vectors in both of its rows)."""
-        local = self.bank.layer_index
-        index_of: dict[int, int] = {}
+    def _sites_of(self, pending: dict[int, SteeringVectors]) -> tuple[np.ndarray, list[np.ndarray]]:
+        """``[4, n]``: (layer slot, hook, table row, vector index) of every held site of the queued rows, and
+        the vectors, each once (a config of base vectors alone puts the same vectors in both of its rows).
+        A burst admits a hundred configs in a step, on the forward thread: each row's sites are mapped with
+        array operations, from its site names' coordinates (the same few lists of names recur)."""
+        parts: list[np.ndarray] = []
         vectors: list[np.ndarray] = []
-        coords = []
         for prefill_row, queued in pending.items():
-            prefill = queued.phase_vectors("prefill")
-            split = queued.tiers.get("prefill") or queued.tiers.get("decode")
-            decode = queued.phase_vectors("decode") if split else prefill
-            for row, sites in ((prefill_row, prefill), (prefill_row + 1, decode)):
-                for name, vector in sites.items():
-                    layer, hook = _site_index(name)
-                    if layer not in local:
-                        continue  # another pipeline stage holds it
-                    if id(vector) not in index_of:
-                        index_of[id(vector)] = len(vectors)
-                        vectors.append(vector)
-                    coords.append((local[layer], hook, row, index_of[id(vector)]))
-        return coords, vectors
+            for row, sites in self._phase_rows(prefill_row, queued):
+                if sites is None:  # the decode row takes the prefill row's vectors
+                    shared = parts[-1].copy()
+                    shared[2] = row
+                    parts.append(shared)
+                    continue
+                held, template = self._held_sites(tuple(sites))
+                part = template.copy()
+                part[2] = row
+                part[3] += len(vectors)
+                parts.append(part)
+                values = list(sites.values())
+                vectors.extend(values[i] for i in held)
+        return (np.concatenate(parts, axis=1) if parts else np.empty((4, 0), np.int64)), vectors
+
+    @staticmethod
+    def _phase_rows(prefill_row: int, queued: SteeringVectors) -> list[tuple[int, dict[str, np.ndarray] | None]]:
+        """Each of a config's two rows with its sites' vectors (the decode row: None when it equals the prefill
+        row, which a config without prefill or decode tiers does)."""
+        split = queued.tiers.get("prefill") or queued.tiers.get("decode")
+        return [(prefill_row, queued.phase_vectors("prefill")),
+                (prefill_row + 1, queued.phase_vectors("decode") if split else None)]
+
+    def _held_sites(self, names: tuple[str, ...]) -> tuple[list[int], np.ndarray]:
+        """Which of ``names`` this worker's layers hold (another pipeline stage holds the rest), and the
+        ``[4, n]`` coordinates of a row setting them from vectors 0..n-1 (its table row still 0); remembered
+        per list of names."""
+        found = self._site_coords.get(names)
+        if found is None:
+            local = self.bank.layer_index
+            sites = [_site_index(name) for name in names]
+            held = [i for i, (layer, _) in enumerate(sites) if layer in local]
+            template = np.zeros((4, len(held)), np.int64)
+            template[0] = [local[sites[i][0]] for i in held]
+            template[1] = [sites[i][1] for i in held]
+            template[3] = np.arange(len(held))
+            found = (held, template)
+            if len(self._site_coords) < SITE_LISTS_KEPT:
+                self._site_coords[names] = found
+        return found

@@ -70,10 +70,11 @@ class InterpV2RunnerMixin(InterpSteps):
         with FORWARD.launching():
             if not dummy_run:
                 self._interp_arrivals(scheduler_output)
-                store = self.interp_store
+                store, tokens = self.interp_store, scheduler_output.total_num_scheduled_tokens
                 # A step reads at most one row per token: one of no more tokens than the graph read buffers hold
-                # fits without counting (every decode step of a batch within them).
-                if (store.capturing and not store.fits_graph(scheduler_output.total_num_scheduled_tokens)
+                # fits without counting (every decode step of a batch within them), and one of more tokens than
+                # any graph runs eagerly anyway (a prefill chunk: counting its reads walked every request).
+                if (store.capturing and not store.fits_graph(tokens) and store.may_replay(tokens)
                         and not store.fits_graph(self._interp_count_reads(scheduler_output))):
                     is_profile = True
             try:
