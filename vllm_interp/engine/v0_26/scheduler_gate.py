@@ -81,7 +81,9 @@ class SteeringAdmission:
                     queue.prepend_request(request)
 
     def _hold_requests_without_slot(self, limit: int) -> list[tuple[Any, list[Any]]]:
-        live = {d for d in map(steering_digest, self.running) if d is not None}
+        # The running requests' slots are gathered only once a waiting request wants one: a pass with nothing
+        # steered waiting (every decode step) walks no running request.
+        live: set[str] | None = None
         held = []
         for queue in (self.skipped_waiting, self.waiting):
             blocked = []
@@ -89,6 +91,8 @@ class SteeringAdmission:
                 digest = steering_digest(request)
                 if digest is None:
                     continue
+                if live is None:
+                    live = {d for d in map(steering_digest, self.running) if d is not None}
                 if digest in live or len(live) < limit:
                     live.add(digest)
                 else:
