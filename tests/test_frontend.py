@@ -110,11 +110,12 @@ def test_time_runs_out_with_keys_still_pending():
     assert collector.pending == {"slow": 5}
 
 
-def test_keys_asked_for_early_wait_for_the_long_interval_until_hurried():
+def test_keys_asked_for_early_wait_for_the_patient_interval_until_hurried():
     """A patient key (a stream's prompt-only results, asked for while it generates) is not asked again at the
     short interval; ``hurry`` (its stream ended) has it asked at once, then at the short interval."""
     workers = Workers(ready_after=4)
-    poller = ResultsPoller(workers.rpc, interval_s=60.0, first_interval_s=0.001, first_window_s=5.0, gather_s=0.0)
+    poller = ResultsPoller(workers.rpc, interval_s=0.001, first_interval_s=0.001, first_window_s=5.0, gather_s=0.0,
+                           patient_interval_s=60.0)
     collector = _collector("early")
 
     async def main():
@@ -128,3 +129,27 @@ def test_keys_asked_for_early_wait_for_the_long_interval_until_hurried():
     started = time.monotonic()
     assert asyncio.run(main()) == 1  # one round, then the long interval
     assert workers.calls == [{"early"}] * 4 and time.monotonic() - started < 10
+
+
+def test_patient_keys_ride_along_with_waiting_ones_and_alone_go_at_the_patient_interval():
+    """A caller that waits, arriving while only patient keys are asked for, is asked for at once (not after the
+    patient interval), and the patient keys go in its rounds; patient keys alone go at the patient interval."""
+    workers = Workers(ready_after=3)
+    poller = ResultsPoller(workers.rpc, interval_s=0.001, first_interval_s=0.001, first_window_s=0.0, gather_s=0.0,
+                           patient_interval_s=0.5)
+    early, waited = _collector("early"), _collector("waited")
+
+    async def main():
+        asking = asyncio.create_task(poller.collect(early, patient=True))
+        await asyncio.sleep(0.05)  # the first round has gone: the poller waits at the patient interval
+        started = time.monotonic()
+        await poller.collect(waited)
+        waited_took = time.monotonic() - started
+        answered_with_it = not early.pending
+        await asking
+        started = time.monotonic()
+        await poller.collect(_collector("later"), patient=True)  # alone: rounds at the patient interval
+        return waited_took, answered_with_it, time.monotonic() - started
+
+    waited_took, answered_with_it, later_took = asyncio.run(main())
+    assert waited_took < 0.25 and answered_with_it and later_took >= 1.0

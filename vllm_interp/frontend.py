@@ -188,9 +188,13 @@ class ResultsPoller:
     consumers; 64 every-token requests ending together took the worker 10-25 ms to answer, and with three
     short rounds before the long interval an H200 host's streams waited 36-57 ms), ``interval_s`` after
     that, so that keys whose consumers take long are not asked for at the short interval. Keys asked for
-    early (``patient``: a stream's prompt-only results, while it generates) go at the long interval, so that a
-    wave of starting streams does not interrupt the engine every few milliseconds; ``hurry`` makes one a fresh
-    wait, at once, when its caller comes to need it."""
+    early (``patient``: a stream's prompt-only results, while it generates) ride along with other keys' rounds,
+    and while only they wait, rounds come every ``patient_interval_s``: a wave of 128 starting streams, each
+    asking at its first event, otherwise put a results call into the engine core between most of the wave's
+    prefill steps (an H200 host's profile: 27 such calls between its eight prefill steps, four API servers
+    polling every 20 ms). Their consumers are fed as rows land, not when asked, so asking late loses nothing;
+    ``hurry`` makes one a fresh wait, at once, when its caller comes to need it, and a caller that waits cuts
+    a patient interval short too."""
 
     @classmethod
     def for_engine(cls, engine_client: Any) -> "ResultsPoller":
@@ -198,13 +202,16 @@ class ResultsPoller:
         return cls(lambda pending, wait_s: engine_client.collective_rpc(RESULTS_RPC, args=(pending, wait_s)))
 
     def __init__(self, rpc: Callable[[dict[str, int | None], float], Awaitable[list]], interval_s: float = 0.02,
-                 first_interval_s: float = 0.005, first_window_s: float = 0.06, gather_s: float = 0.002) -> None:
+                 first_interval_s: float = 0.005, first_window_s: float = 0.06, gather_s: float = 0.002,
+                 patient_interval_s: float = 0.25) -> None:
         self._rpc = rpc  # (capture key -> final length, seconds the workers may wait) -> per-rank answers
         self._interval_s, self._first_interval_s, self._gather_s = interval_s, first_interval_s, gather_s
+        self._patient_interval_s = patient_interval_s
         self._first_window_s = first_window_s
         self._waiting: list[_Waiter] = []
         self._task: asyncio.Task | None = None
         self._hurried: asyncio.Event | None = None  # cuts the wait between rounds short (``hurry``)
+        self._patient_wait = False  # the wait between rounds is the patient one: a new caller cuts it short
 
     async def collect(self, collector: ResultCollector, timeout_s: float = RESULTS_TIMEOUT_S,
                       patient: bool = False) -> None:
@@ -217,6 +224,8 @@ class ResultsPoller:
         self._waiting.append(_Waiter(collector, now + timeout_s, done, since=now, patient=patient))
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._poll())
+        elif not patient and self._patient_wait and self._hurried is not None:
+            self._hurried.set()
         await done
 
     def hurry(self, collector: ResultCollector) -> None:
@@ -246,12 +255,20 @@ class ResultsPoller:
                 if not collector.pending or now >= waiter.deadline or waiter.done.done():  # done: caller went away
                     self._settle(waiter, None)
             if self._waiting:
-                early = any(now - waiter.since < self._first_window_s for waiter in self._waiting
-                            if not waiter.patient)
-                self._hurried = asyncio.Event()
+                interval = self._next_interval(now)
+                self._hurried, self._patient_wait = asyncio.Event(), interval == self._patient_interval_s
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._hurried.wait(), self._first_interval_s if early else self._interval_s)
-                self._hurried = None
+                    await asyncio.wait_for(self._hurried.wait(), interval)
+                if self._patient_wait and self._hurried.is_set():
+                    await asyncio.sleep(self._gather_s)  # woken by a caller: others ending with it join the round
+                self._hurried, self._patient_wait = None, False
+
+    def _next_interval(self, now: float) -> float:
+        waiting = [waiter for waiter in self._waiting if not waiter.patient]
+        if not waiting:
+            return self._patient_interval_s
+        early = any(now - waiter.since < self._first_window_s for waiter in waiting)
+        return self._first_interval_s if early else self._interval_s
 
     def _settle(self, waiter: _Waiter, error: Exception | None) -> None:
         self._waiting.remove(waiter)
