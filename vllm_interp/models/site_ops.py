@@ -100,10 +100,10 @@ def _site(
     hook: int,
     hidden_in_use: bool,
 ) -> None:
-    width = hidden.shape[-1]
-    flat_hidden = hidden.view(-1, width)
-    flat_residual = None if residual is None else residual.view(-1, width)
     if _capturing(hidden):
+        width = hidden.shape[-1]
+        flat_hidden = hidden.view(-1, width)
+        flat_residual = None if residual is None else residual.view(-1, width)
         # One-row tables (steering, patch values) and a zero-row read buffer mean the feature is off on this
         # engine: the kernel is built without it, and with nothing on, not launched at all.
         patching, steering, reading = patch_values.shape[0] > 1, steer_table.shape[1] > 1, read_out.shape[1] > 0
@@ -115,18 +115,29 @@ def _site(
                           patch_index[hook, :tokens] if patching else None, patch_values, patch_alpha,
                           read_slot if reading else None, read_flags[hook : hook + 1], read_out[hook], hidden_in_use)
         return
-    if STEP.patch is not None and (planned := STEP.patch.get((layer, hook))) is not None:
+    # Eagerly: decided from the step's plan before any tensor call (each gives up the interpreter lock), so a
+    # site the step leaves alone costs a few dictionary and set lookups.
+    site = (layer, hook)
+    planned = STEP.patch.get(site) if STEP.patch is not None else None
+    steered = site in STEP.steer
+    reads = STEP.reads
+    read = reads is not None and site in reads.sites
+    if planned is None and not steered and not read:
+        return
+    width = hidden.shape[-1]
+    flat_hidden = hidden.view(-1, width)
+    flat_residual = None if residual is None else residual.view(-1, width)
+    if planned is not None:
         _write_rows(flat_hidden, flat_residual, *planned, hidden_in_use)
     target = flat_hidden if residual is None else flat_residual
-    if (layer, hook) in STEP.steer:
+    if steered:
         target.add_(steer_table[hook].index_select(0, steer_index[: target.shape[0]]))
-    reads = STEP.reads
-    if reads is None or (layer, hook) not in reads.sites:
+    if not read:
         return
     picked = flat_hidden.index_select(0, reads.rows)
     if flat_residual is not None:
         picked.add_(flat_residual.index_select(0, reads.rows))
-    reads.out[(layer, hook)] = picked
+    reads.out[site] = picked
 
 
 def _site_fake(hidden, residual, steer_index, steer_table, patch_index, patch_values, patch_alpha, read_slot,
