@@ -105,6 +105,22 @@ def test_a_step_looks_up_only_its_new_requests_and_frees_the_slots_of_those_that
     assert step("plain-1") is None  # no steered request left: no index
 
 
+def test_the_index_buffer_holds_each_steps_map_and_an_unchanged_map_is_not_uploaded_again():
+    tables = _tables()
+    target = tables.bank.steer_index
+    tables.load_index(np.array([3, 4, 3]))
+    assert target.tolist() == [3, 4, 3, 0]
+    target[0] = 9  # behind the tables' back: a steady batch's next decode step uploads nothing
+    tables.load_index(np.array([3, 4, 3]))
+    assert target.tolist() == [9, 4, 3, 0]
+    tables.load_index(np.array([4, 4]))  # a shorter map: the rows the last one used go back to row 0
+    assert target.tolist() == [4, 4, 0, 0]
+    tables.load_index(None)
+    assert target.tolist() == [0, 0, 0, 0]
+    tables.load_index(np.array([4, 4]))  # the map before None: uploaded again
+    assert target.tolist() == [4, 4, 0, 0]
+
+
 def test_steered_sites_are_the_global_vectors_and_those_of_configs_holding_a_slot():
     tables = _tables()
     assert tables.steered_sites == frozenset()
