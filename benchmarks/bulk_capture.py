@@ -65,7 +65,7 @@ import torch
 
 from benchmarks import step_profile
 from benchmarks.consumer_handoff import plain_write_mb_s
-from benchmarks.serve import RESULTS_METRICS, RunStats, column_medians, fmt, gpu_card, ratio, run_requests
+from benchmarks.serve import RESULTS_METRICS, RunStats, fmt, gpu_card, medians_with_ranges, ratio, run_requests
 from benchmarks.serving import (
     VLLM_INTERP_MODULE,
     launch_server,
@@ -226,7 +226,7 @@ def report(args: argparse.Namespace, phases: list[Phase], rates: list[tuple[floa
     lines += ["", "Median over rounds (against `plain` of the same round):", "",
               "| phase | throughput | TPOT | TTFT |", "|---|---|---|---|"]
     for name, rows in summary.items():
-        lines.append(f"| {name} | " + " | ".join(fmt(m, 3) for m in column_medians(rows)) + " |")
+        lines.append(f"| {name} | " + " | ".join(medians_with_ranges(rows)) + " |")
     captured = sum(p.captured_bytes for p in phases if p.name.startswith("sink"))
     lines += ["", f"The sink's shards on disk after shutdown: {on_disk / 1e6:.0f} MB (its phases captured "
               f"{captured / 1e6:.0f} MB of rows; a shard still buffered is published when the server stops).", ""]

@@ -397,6 +397,16 @@ def column_medians(rows: list[tuple[float | None, ...]]) -> list[float | None]:
             for k in range(len(rows[0]))]
 
 
+def medians_with_ranges(rows: list[tuple[float | None, ...]]) -> list[str]:
+    """Each column's median over rounds with its lowest and highest value, ``1.009 (0.880-1.132)``: a target
+    inside the range of a workload whose requests use nothing (idle) is inside this host's noise."""
+    cells = []
+    for k, median in enumerate(column_medians(rows)):
+        values = [r[k] for r in rows if r[k] is not None]
+        cells.append(fmt(median, 3) + (f" ({min(values):.3f}-{max(values):.3f})" if len(values) > 1 else ""))
+    return cells
+
+
 def kv_cache_tokens(log: Path) -> str:
     """The KV cache size the server's engine reported (unequal caches would make the ratios measure queueing)."""
     match = re.search(r"GPU KV cache size: ([\d,]+) tokens", log.read_text(errors="replace"))
@@ -411,7 +421,7 @@ def ratios_of(feature: RunStats, baseline: RunStats) -> tuple[float | None, ...]
 
 def comparison_table(runs: list[tuple[int, str, RunStats, RunStats]], other: str, medians_title: str) -> list[str]:
     """Per run, plain vLLM (A) against ``other`` (B, or the peer C) and their ratios; then per workload the
-    median of each ratio over rounds."""
+    median of each ratio over rounds, with its range."""
     lines = [f"| round | workload | TTFT ms A / {other} | TPOT ms A / {other} | tok/s A / {other} | TTFT ratio | "
              f"TPOT ratio | throughput ratio | latency ratio | errors A / {other} |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -423,8 +433,7 @@ def comparison_table(runs: list[tuple[int, str, RunStats, RunStats]], other: str
                      f"{fmt(x.tpot_ms(), 2)} | {a.throughput():.0f} / {x.throughput():.0f} | "
                      + " | ".join(fmt(r, 3) for r in ratios) + f" | {a.errors} / {x.errors} |")
     lines += ["", medians_title, "", "| workload | TTFT | TPOT | throughput | latency |", "|---|---|---|---|---|"]
-    return lines + [f"| {name} | " + " | ".join(fmt(m, 3) for m in column_medians(rows)) + " |"
-                    for name, rows in by_workload.items()]
+    return lines + [f"| {name} | " + " | ".join(medians_with_ranges(rows)) + " |" for name, rows in by_workload.items()]
 
 
 def report(bench: Bench, started: str, card: str, wall_s: float, kv_tokens: tuple[str, ...],
