@@ -37,11 +37,11 @@ def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 def stack_to_device(arrays: Sequence[np.ndarray], device: torch.device) -> torch.Tensor:
-    """``np.stack(arrays)`` in float32 as a new tensor on ``device``: stacked straight into the pinned block, one
-    host copy of the data instead of two (a burst of 128 all-layer steering configs stacks 16 MiB)."""
-    if device.type != "cuda" or not arrays:
-        stacked = np.stack(arrays) if arrays else np.empty((0, 0))
-        return to_device(stacked.astype(np.float32, copy=False), device)
+    """``np.stack(arrays)`` (one array or more) in float32 as a new tensor on ``device``: stacked straight into
+    the pinned block, one host copy of the data instead of two (a burst of 128 all-layer steering configs stacks
+    16 MiB)."""
+    if device.type != "cuda":
+        return to_device(np.stack(arrays).astype(np.float32, copy=False), device)
     host = torch.empty((len(arrays), *np.shape(arrays[0])), dtype=torch.float32, pin_memory=True)
     np.stack(arrays, out=host.numpy())
     return host.to(device, non_blocking=True)
