@@ -255,16 +255,16 @@ class ResultsPoller:
                 if not collector.pending or now >= waiter.deadline or waiter.done.done():  # done: caller went away
                     self._settle(waiter, None)
             if self._waiting:
-                interval = self._next_interval(now)
-                self._hurried, self._patient_wait = asyncio.Event(), interval == self._patient_interval_s
+                waiting = [waiter for waiter in self._waiting if not waiter.patient]
+                self._hurried, self._patient_wait = asyncio.Event(), not waiting
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._hurried.wait(), interval)
+                    await asyncio.wait_for(self._hurried.wait(), self._interval_for(waiting, now))
                 if self._patient_wait and self._hurried.is_set():
                     await asyncio.sleep(self._gather_s)  # woken by a caller: others ending with it join the round
                 self._hurried, self._patient_wait = None, False
 
-    def _next_interval(self, now: float) -> float:
-        waiting = [waiter for waiter in self._waiting if not waiter.patient]
+    def _interval_for(self, waiting: list[_Waiter], now: float) -> float:
+        """The wait before the next round, given the callers that wait (not the patient ones)."""
         if not waiting:
             return self._patient_interval_s
         early = any(now - waiter.since < self._first_window_s for waiter in waiting)
