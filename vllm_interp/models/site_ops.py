@@ -69,6 +69,12 @@ def _capturing(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
+def _flat(hidden: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The stream as ``[tokens, hidden]`` views."""
+    width = hidden.shape[-1]
+    return hidden.view(-1, width), None if residual is None else residual.view(-1, width)
+
+
 def _write_rows(hidden: torch.Tensor, residual: torch.Tensor | None, rows: torch.Tensor, values: torch.Tensor,
                 alphas: torch.Tensor, hidden_in_use: bool) -> None:
     """Patch ``rows`` of the flat ``[tokens, hidden]`` stream (eager steps: only the planned rows)."""
@@ -101,9 +107,7 @@ def _site(
     hidden_in_use: bool,
 ) -> None:
     if _capturing(hidden):
-        width = hidden.shape[-1]
-        flat_hidden = hidden.view(-1, width)
-        flat_residual = None if residual is None else residual.view(-1, width)
+        flat_hidden, flat_residual = _flat(hidden, residual)
         # One-row tables (steering, patch values) and a zero-row read buffer mean the feature is off on this
         # engine: the kernel is built without it, and with nothing on, not launched at all.
         patching, steering, reading = patch_values.shape[0] > 1, steer_table.shape[1] > 1, read_out.shape[1] > 0
@@ -124,9 +128,7 @@ def _site(
     read = reads is not None and site in reads.sites
     if planned is None and not steered and not read:
         return
-    width = hidden.shape[-1]
-    flat_hidden = hidden.view(-1, width)
-    flat_residual = None if residual is None else residual.view(-1, width)
+    flat_hidden, flat_residual = _flat(hidden, residual)
     if planned is not None:
         _write_rows(flat_hidden, flat_residual, *planned, hidden_in_use)
     target = flat_hidden if residual is None else flat_residual
