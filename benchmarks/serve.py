@@ -2,7 +2,7 @@
 
     python -m benchmarks.serve MODEL --out FILE.md [--concurrency 128] [--prompt-tokens 512]
         [--max-tokens 512] [--rounds 2] [--workloads idle,steer_distinct,...] [--pin-cpus]
-        [--torch-profile capture_inline,...]
+        [--torch-profile capture_inline,...] [--torch-profile-stack]
         [--server-arg=--enforce-eager ...]
 
 Both servers start once, side by side, each with its engine core in its own process (how users run them):
