@@ -359,12 +359,10 @@ class Bench:
                                                    "tag": SOURCE_RUN}}}
             post(self.interp_url, "/v1/completions", source)
         try:
-            if round_index % 2 == 0:
-                baseline = self.run(self.plain_url, prompts, stream, concurrency)
-                feature = self.run(self.interp_url, prompts, stream, concurrency, fields)
-            else:
-                feature = self.run(self.interp_url, prompts, stream, concurrency, fields)
-                baseline = self.run(self.plain_url, prompts, stream, concurrency)
+            runs = {"A": lambda: self.run(self.plain_url, prompts, stream, concurrency),
+                    "B": lambda: self.run(self.interp_url, prompts, stream, concurrency, fields)}
+            stats = {server: runs[server]() for server in ("AB" if round_index % 2 == 0 else "BA")}
+            baseline, feature = stats["A"], stats["B"]
         finally:
             if name == "steer_global":
                 post(self.interp_url, "/v1/steering/clear", {})

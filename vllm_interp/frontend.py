@@ -211,7 +211,6 @@ class ResultsPoller:
         self._waiting: list[_Waiter] = []
         self._task: asyncio.Task | None = None
         self._hurried: asyncio.Event | None = None  # cuts the wait between rounds short (``hurry``)
-        self._patient_wait = False  # the wait between rounds is the patient one: a new caller cuts it short
 
     async def collect(self, collector: ResultCollector, timeout_s: float = RESULTS_TIMEOUT_S,
                       patient: bool = False) -> None:
@@ -224,8 +223,8 @@ class ResultsPoller:
         self._waiting.append(_Waiter(collector, now + timeout_s, done, since=now, patient=patient))
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._poll())
-        elif not patient and self._patient_wait and self._hurried is not None:
-            self._hurried.set()
+        elif not patient and self._hurried is not None and all(w.patient for w in self._waiting[:-1]):
+            self._hurried.set()  # the poller waits the patient interval: this caller's wait cuts it short
         await done
 
     def hurry(self, collector: ResultCollector) -> None:
@@ -256,12 +255,12 @@ class ResultsPoller:
                     self._settle(waiter, None)
             if self._waiting:
                 waiting = [waiter for waiter in self._waiting if not waiter.patient]
-                self._hurried, self._patient_wait = asyncio.Event(), not waiting
+                self._hurried = asyncio.Event()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._hurried.wait(), self._interval_for(waiting, now))
-                if self._patient_wait and self._hurried.is_set():
+                if not waiting and self._hurried.is_set():
                     await asyncio.sleep(self._gather_s)  # woken by a caller: others ending with it join the round
-                self._hurried, self._patient_wait = None, False
+                self._hurried = None
 
     def _interval_for(self, waiting: list[_Waiter], now: float) -> float:
         """The wait before the next round, given the callers that wait (not the patient ones)."""

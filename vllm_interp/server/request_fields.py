@@ -259,7 +259,6 @@ def _ask_early(state: Any, prepared: PreparedRequest) -> _EarlyAsk:
     return collector, asyncio.ensure_future(state.vllm_interp_results.collect(collector, patient=True))
 
 
-
 async def _collect(state: Any, prepared: PreparedRequest, usage: dict[str, Any], early: _EarlyAsk | None = None,
                    ) -> tuple[dict[str, Any], ConsumerResult | None]:
     """The request's capture results as JSON (by consumer) and its patch status, from the workers; ``usage``

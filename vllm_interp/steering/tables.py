@@ -75,8 +75,7 @@ class SteeringTables:
         self._by_req: dict[str, _Slot | None] = {}
         # Per request a step has looked up: its slot's prefill row (NO_SLOT: none) and its prompt length.
         self._step_facts: dict[str, tuple[int, int]] = {}
-        self._dirty = 0
-        self._loaded: np.ndarray | None = None  # the map the index buffer holds (its first ``_dirty`` entries)
+        self._loaded: np.ndarray | None = None  # the map the index buffer holds (in its first entries)
         self._pending: dict[int, SteeringVectors] = {}  # prefill row -> the vectors it and its decode row take
         self._steered_sites: frozenset[Site] | None = frozenset()  # None: stale since a slot or global change
         self._site_coords: dict[tuple[str, ...], tuple[list[int], np.ndarray]] = {}
@@ -178,12 +177,12 @@ class SteeringTables:
         if index is not None and loaded is not None and np.array_equal(index, loaded):
             return  # a steady batch's decode steps point at the same rows: the buffer holds them already
         count = 0 if index is None else index.shape[0]
+        used = 0 if loaded is None else loaded.shape[0]
         target = self.bank.steer_index
         if count:
             copy_into(target[:count], index)
-        if self._dirty > count:
-            target[count : self._dirty].zero_()
-        self._dirty = count
+        if used > count:
+            target[count:used].zero_()
 
     # -- table writes --------------------------------------------------------------------------------
     def _write_slot(self, slot: _Slot) -> None:
