@@ -16,7 +16,8 @@ logging consumer), ``logging_packed`` (the same, its statistics returned as one 
 of JSON lists), ``plain_after`` (sent the moment the burst's last stream ends, while its consumer may still
 work through the backlog), ``sink`` (the same capture to the sharded filesystem layout, which takes each request
 in parts while it runs), ``plain_after_sink``, ``sink_whole`` (the sink with ``part_mb: 0``: each request
-whole, when it ends).
+whole, when it ends). Odd rounds run the phases in reverse order (a burst still followed by its ``plain_after``):
+``round_order``.
 ``--warmup-rounds`` rounds run first: the first bursts pay one-off costs (the pinned arena and torch's pinned
 cache filling, the consumer's shared blocks and shard memory mapped, a sink burst on an H200 host at 0.30 of
 plain in its first round and 0.46-0.66 in the next three), so they are listed but left out of the medians.
@@ -91,6 +92,21 @@ class Phase:
     stats: RunStats
     captured_bytes: int = 0  # rows x hidden x dtype size of every capturing request
     steps: dict[str, int] | None = None  # how its capturing steps read (``capture_steps``), during the phase
+
+
+def round_order(names: list[str], round_index: int) -> list[str]:
+    """The phases of a round: as listed in even rounds, in reverse in odd ones (each ``plain_after*`` phase kept
+    right after the burst it follows), so that no phase always runs first; serving pairs run in one order only
+    showed a bias of their own (``serve.py``'s TTFT ratios 1.13-1.16 with plain vLLM always first, 1.04-1.06
+    alternating)."""
+    units: list[list[str]] = []
+    for name in names:
+        if name.startswith("plain_after") and units:
+            units[-1].append(name)
+        else:
+            units.append([name])
+    ordered = units if round_index % 2 == 0 else units[::-1]
+    return [name for unit in ordered for name in unit]
 
 
 class RssWatch(threading.Thread):
@@ -197,7 +213,9 @@ def report(args: argparse.Namespace, phases: list[Phase], rates: list[tuple[floa
              f"{args.prompt_tokens} random prompt tokens, {args.max_tokens} generated (ignore_eos), greedy",
              f"- Capture: `{json.dumps(EVERY_TOKEN)}` to `logging:level=debug` and to `filesystem` "
              f"(`layout=sharded,queue_mb={args.sink_queue_mb}`), isolation {args.isolation or 'each its default'}",
-             f"- Server args: `{' '.join(args.server_arg)}`; started {started}; {wall_s:.0f} s", "",
+             f"- Server args: `{' '.join(args.server_arg)}`; started {started}; {wall_s:.0f} s",
+             "- Phases run in the order listed in even rounds, in reverse in odd ones (each burst followed by its "
+             "`plain_after`)", "",
              "(last gap: the median wait for a stream's last text chunk, which a capturing stream holds until the "
              "request's capture results come; TPOT includes it. Results wait / prepare: the server's mean per "
              "capturing request, from vLLM's last output to the results reaching the API server, then their "
@@ -356,7 +374,7 @@ def main() -> None:
 
         run_requests(url, [body(None) for _ in range(2)], 2)  # one-off costs of the first requests
         for round_index in range(-args.warmup_rounds, args.rounds):
-            for name in phase_names:
+            for name in round_order(phase_names, round_index):
                 capture = CAPTURES.get(name)
                 bodies = [body(capture) for _ in range(args.requests)]
                 if sampler:

@@ -74,7 +74,7 @@ def test_an_arena_that_cannot_be_pinned_leaves_every_block_to_fresh_pinned_memor
     assert "no pinned arena of 4 MiB" in caplog.text
 
 
-def test_a_cpu_engines_small_blocks_land_whole_and_large_ones_split_per_request():
+def test_a_cpu_engines_small_blocks_land_whole_and_large_ones_split_per_request(monkeypatch):
     """A small block is read through views (no copy on the forward thread; a request keeps at most
     WHOLE_MAX_BYTES of others' rows alive); a large one is split into each request's own memory."""
     splits = [(0, 1), (1, 3)]
@@ -91,11 +91,15 @@ def test_a_cpu_engines_small_blocks_land_whole_and_large_ones_split_per_request(
     for i, (start, stop) in enumerate(splits):
         assert torch.equal(landed.part(i), large[:, start:stop])
         assert not np.shares_memory(landed.array_part(i), large.numpy())
-    assert isinstance(host_copies.to_host(large, splits, whole=True), host_copies.WholeCopy)
-    # Readers that all take parts let go of the block soon: it is read where it lies, not split.
-    held = host_copies.to_host(large, splits, in_parts=True)
-    assert isinstance(held, host_copies.WholeCopy) and held.done()
-    assert np.shares_memory(held.array_part(1), large.numpy())
+    # Readers that all take parts, or all end with the step, let go of the block soon: it is read where it
+    # lies (on a GPU, the pinned memory it was copied into), not split.
+    for held in (host_copies.to_host(large, splits, in_parts=True), host_copies.to_host(large, splits, whole=True)):
+        assert isinstance(held, host_copies.WholeCopy) and held.keep_pinned and held.done()
+        assert np.shares_memory(held.array_part(1), large.numpy())
+    assert not host_copies.to_host(small, splits, whole=True).keep_pinned  # small blocks are copied out
+    monkeypatch.setattr(host_copies, "PINNED_CACHED_MAX_BYTES", 0)  # every large block takes the arena ...
+    copied = host_copies.to_host(large, splits, whole=True)  # ... whose ring would wait for a held one
+    assert isinstance(copied, host_copies.WholeCopy) and not copied.keep_pinned
 
 
 def test_held_pinned_memory_goes_back_once_the_last_view_of_it_is_gone():
