@@ -70,7 +70,10 @@ def _capturing(tensor: torch.Tensor) -> bool:
 
 
 def _flat(hidden: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The stream as ``[tokens, hidden]`` views."""
+    """The stream as ``[tokens, hidden]`` views (the tensors themselves when they are that already, as vLLM's
+    decoder layers pass them: a view is a torch call, which gives up the interpreter lock, at every site)."""
+    if hidden.dim() == 2 and (residual is None or residual.dim() == 2):
+        return hidden, residual
     width = hidden.shape[-1]
     return hidden.view(-1, width), None if residual is None else residual.view(-1, width)
 
