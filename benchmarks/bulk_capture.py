@@ -50,9 +50,7 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
-import subprocess
 import tempfile
 import threading
 import time
@@ -69,6 +67,7 @@ from benchmarks.consumer_handoff import plain_write_mb_s
 from benchmarks.serve import RESULTS_METRICS, RunStats, fmt, gpu_card, medians_with_ranges, ratio, run_requests
 from benchmarks.serving import (
     VLLM_INTERP_MODULE,
+    ServerSampler,
     launch_server,
     process_label,
     server_rss_mb,
@@ -127,31 +126,6 @@ class RssWatch(threading.Thread):
                 continue
             for name, mb in rss.items():
                 self.peak[name] = max(self.peak.get(name, 0.0), mb)
-
-
-class ServerSampler:
-    """py-spy sampling a server's whole process tree (the API server, the engine core, a consumer's own
-    process) while a phase runs: ``start`` before it, ``stop`` after."""
-
-    def __init__(self, binary: str, server_pid: int, out_dir: Path, gil: bool = False) -> None:
-        self.binary, self.pid, self.out_dir = binary, server_pid, out_dir
-        # Only the thread holding each process's interpreter lock at each sample: who keeps the others waiting.
-        self.mode = ["--gil"] if gil else ["--idle"]
-        self._process: subprocess.Popen | None = None
-
-    def start(self, label: str) -> None:
-        self._process = subprocess.Popen(
-            [self.binary, "record", "--pid", str(self.pid), "--subprocesses", *self.mode, "--threads", "--nonblocking",
-             "--rate", "200",
-             "--format", "raw", "--output", str(self.out_dir / f"py-spy-{label}.txt")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(0.5)  # attached before the phase's first request
-
-    def stop(self) -> None:
-        if self._process is not None:
-            self._process.send_signal(signal.SIGINT)  # py-spy writes what it sampled on SIGINT
-            self._process.wait(60)
-            self._process = None
 
 
 def capture_steps(url: str) -> dict[str, int]:

@@ -2,7 +2,7 @@
 
     python -m benchmarks.serve MODEL --out FILE.md [--concurrency 128] [--prompt-tokens 512]
         [--max-tokens 512] [--rounds 2] [--workloads idle,steer_distinct,...] [--pin-cpus]
-        [--torch-profile capture_inline,...] [--torch-profile-stack]
+        [--torch-profile capture_inline,...] [--torch-profile-stack] [--py-spy PATH]
         [--server-arg=--enforce-eager ...]
 
 Both servers start once, side by side, each with its engine core in its own process (how users run them):
@@ -21,6 +21,9 @@ that waits for a CPU (taken by the clients or the API servers) makes that run sl
 its torch profiler over the wave's first steps (``benchmarks/step_profile.py``): where a feature's prefill
 steps spend their time on the device and in the forward thread's CUDA calls, against plain vLLM's;
 ``--torch-profile-stack`` records Python calls there too (the traces stay under ``WORKDIR/profiles``).
+``--py-spy PATH`` (a py-spy binary) samples the server of every run at 200 Hz, idle time included, into
+``WORKDIR/py-spy/py-spy-<round>-<workload>-<A|B>.txt`` (collapsed stacks per thread; ``--py-spy-gil``: only the
+thread holding each process's interpreter lock at each sample).
 
 Workloads (concurrency N unless said): ``idle`` (every feature enabled, requests without fields; also at
 concurrency 1), ``steer_distinct`` (each request its own random vectors at every layer's post_block),
@@ -64,6 +67,7 @@ from benchmarks import step_profile
 from benchmarks.serving import (
     VLLM_INTERP_MODULE,
     VLLM_MODULE,
+    ServerSampler,
     host_cpu_jiffies,
     launch_server,
     split_cpus,
@@ -262,6 +266,8 @@ class Bench:
     lens_url: str | None = None
     pids: dict[str, int] = field(default_factory=dict)  # url -> the server's pid, for its threads' clocks
     client_cpus: set[int] | None = None  # ``--pin-cpus``: where the clients run
+    py_spy: str | None = None  # ``--py-spy``: the binary that samples each run's server
+    py_spy_gil: bool = False  # ``--py-spy-gil``: only the threads holding the interpreter lock
     # (round, workload, plain A, vllm-interp B, vllm-lens C or None)
     pairs: list[tuple[int, str, RunStats, RunStats, RunStats | None]] = field(default_factory=list)
 
@@ -328,6 +334,19 @@ class Bench:
         bodies = [{**self.body(p, stream), **fields(i)} for i, p in enumerate(prompts)]
         return run_requests(url, bodies, concurrency, self.pids.get(url), self.client_cpus)
 
+    def sampled(self, url: str, label: str, run: Callable[[], RunStats]) -> RunStats:
+        """``run()``, its server sampled by py-spy into ``WORKDIR/py-spy/py-spy-LABEL.txt`` with ``--py-spy``."""
+        if self.py_spy is None:
+            return run()
+        out_dir = Path(self.args.workdir) / "py-spy"
+        out_dir.mkdir(exist_ok=True)
+        sampler = ServerSampler(self.py_spy, self.pids[url], out_dir, self.py_spy_gil)
+        sampler.start(label)
+        try:
+            return run()
+        finally:
+            sampler.stop()
+
     def profile_pair(self, name: str, profiles: Path) -> list[str]:
         """One more wave of ``name`` (``--concurrency`` requests) on each server with its torch profiler over the
         wave's first ``PROFILE_STEPS`` engine steps (its prefill steps, then decode): each step's device time by
@@ -359,8 +378,11 @@ class Bench:
                                                    "tag": SOURCE_RUN}}}
             post(self.interp_url, "/v1/completions", source)
         try:
-            runs = {"A": lambda: self.run(self.plain_url, prompts, stream, concurrency),
-                    "B": lambda: self.run(self.interp_url, prompts, stream, concurrency, fields)}
+            label = f"{round_index}-{name}"
+            runs = {"A": lambda: self.sampled(self.plain_url, f"{label}-A",
+                                              lambda: self.run(self.plain_url, prompts, stream, concurrency)),
+                    "B": lambda: self.sampled(self.interp_url, f"{label}-B",
+                                              lambda: self.run(self.interp_url, prompts, stream, concurrency, fields))}
             stats = {server: runs[server]() for server in ("AB" if round_index % 2 == 0 else "BA")}
             baseline, feature = stats["A"], stats["B"]
         finally:
@@ -516,6 +538,9 @@ def main() -> None:
                         help="--torch-profile with Python calls recorded (torch's Python tracer; much slower steps)")
     parser.add_argument("--pin-cpus", action="store_true",
                         help="servers on the first half of the CPUs, the clients on the other half")
+    parser.add_argument("--py-spy", default=None,
+                        help="py-spy binary: sample each run's server (all its processes and threads, idle included)")
+    parser.add_argument("--py-spy-gil", action="store_true", help="--py-spy: only threads holding the GIL")
     parser.add_argument("--peer-site", default=None,
                         help="directory holding vllm-lens and its dependencies: adds vllm-lens's server (C)")
     args = parser.parse_args()
@@ -564,7 +589,7 @@ def main() -> None:
         bench = Bench(args, plain_url, interp_url, config["num_hidden_layers"], config["hidden_size"],
                       config["vocab_size"], lens_url=servers["lens"][0] if "lens" in servers else None,
                       pids={url: process.pid for url, process in servers.values()},
-                      client_cpus=client_cpus)
+                      client_cpus=client_cpus, py_spy=args.py_spy, py_spy_gil=args.py_spy_gil)
         warm_up = [bench.body(p) for p in bench.prompts(99, 2)]  # first requests pay one-off costs; not reported
         for url, _ in servers.values():
             run_requests(url, warm_up, 2)
