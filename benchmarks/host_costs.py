@@ -18,6 +18,8 @@
   token's event of a capturing stream through the middleware (microseconds).
 - The worker admitting a request whose all-layer steering config is new (its table rows written), per config;
   ``--device cuda`` puts that table on the GPU (host time, uploads included).
+- The site op's eager body at every site of an 8,192-token prefill step, per call: idle, and reading a row per
+  request finishing its prompt (``--device cuda``: the stream on the GPU, launches included).
 - A forward-like loop beside an ``inline`` consumer's runner thread busy with 32 requests: the interpreter
   lock's handoffs, with the forward gate open and closed (``capture.dispatch.FORWARD``).
 - Every-token capture of ``--requests`` requests at ``post_block`` of every layer to ``logging`` (packed), and
@@ -70,6 +72,7 @@ from vllm_interp.config import InterpConfig
 from vllm_interp.engine.v0_26.steps import InterpSteps
 from vllm_interp.frontend import InterpFrontend, PreparedRequest
 from vllm_interp.hooks import HOOKS, ModelShape, site_name
+from vllm_interp.models import site_ops
 from vllm_interp.models.registry import SiteBank
 from vllm_interp.patching.sources import SourceStore
 from vllm_interp.patching.tables import PatchTables
@@ -79,6 +82,7 @@ from vllm_interp.server.bodies import parse_json
 from vllm_interp.server.request_fields import RequestFieldsMiddleware, _ResultStream
 from vllm_interp.steering.tables import SteeringTables, table_rows
 from vllm_interp.steering.vectors import SteeringVectors, pack_vectors
+from vllm_interp.uploads import to_device
 
 
 def per_call_s(call: Callable[[], object], repeats: int) -> float:
@@ -360,6 +364,37 @@ class NullConsumer(CaptureConsumer):
         return {}
 
 
+def eager_site_us(args: argparse.Namespace) -> dict[str, float]:
+    """The site op's eager body, per call over every site of a prefill step of 8,192 tokens (the stream a
+    ``(hidden, residual)`` pair, as Llama's layers carry it) on ``--device``: sites the step leaves alone, and
+    sites reading one row per request finishing its prompt in the step (16: 512-token prompts). A capturing
+    wave's prefill steps run eagerly; py-spy put 50-130 us a call of the body on an H200 host's forward thread
+    (serve-gpu-2026-11-29.md, session 22)."""
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    bank = site_bank(args.layers, args.hidden, steer_rows=1, dtype=dtype, device=args.device)
+    tokens = 8192
+    hidden = torch.randn(tokens, args.hidden, dtype=dtype, device=device)
+    residual = torch.randn(tokens, args.hidden, dtype=dtype, device=device)
+    sites = [(layer, hook) for layer in range(args.layers) for hook in range(len(HOOKS))]
+
+    def step() -> None:
+        for layer, hook in sites:
+            site_ops.site(hidden, residual, bank.steer_index, bank.steer_table[layer], bank.patch_index[layer],
+                          bank.patch_values, bank.patch_alpha, bank.read_slot, bank.read_flags[layer],
+                          bank.read_out[layer], layer, hook, False)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    rows = to_device(np.arange(511, tokens, 512), device)
+    timings = {}
+    for what, reads in (("idle", None), ("reading 16 rows", site_ops.StepReads(rows, frozenset(sites)))):
+        site_ops.STEP.reads = reads
+        timings[what] = per_call_s(step, max(1, args.repeats // 20)) / len(sites) * 1e6
+    site_ops.STEP.reads = None
+    return timings
+
+
 def stream_event_us(args: argparse.Namespace) -> float:
     """One token's event of a capturing stream through the middleware (a compact event, as vLLM writes them)."""
     event = b"data: " + json.dumps({
@@ -466,7 +501,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=2000)
-    parser.add_argument("--device", default="cpu", help="where the steering table of the new-config cost lives")
+    parser.add_argument("--device", default="cpu",
+                        help="where the steering table of the new-config cost and the eager site op's stream live")
     args = parser.parse_args()
     print(f"Capture planning, one decode step of {args.requests} requests reading post_block of {args.layers} layers:")
     for positions in ("all", "all_generated"):
@@ -483,6 +519,10 @@ def main() -> None:
         print(f"  {what}: {value:.3f}" + ("" if what.endswith("KB") else " ms"))
     print(f"The worker admitting a new all-layer steering config (its table rows): {new_config_ms(args):.3f} ms")
     print(f"A capturing stream's token event through the middleware: {stream_event_us(args):.2f} us")
+    print(f"The site op's eager body at {3 * args.layers} sites of an 8,192-token prefill step, on {args.device}, "
+          "us a call:")
+    for what, value in eager_site_us(args).items():
+        print(f"  {what}: {value:.1f}")
     print("A forward-like loop of 1,500 small ops beside 32 inline requests' consumption (the loop / the wait "
           "after it for the requests):")
     for what, (loop_ms, rest_ms) in beside_consumers_ms(args).items():
