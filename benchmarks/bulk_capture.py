@@ -16,24 +16,24 @@ logging consumer), ``logging_packed`` (the same, its statistics returned as one 
 of JSON lists), ``plain_after`` (sent the moment the burst's last stream ends, while its consumer may still
 work through the backlog), ``sink`` (the same capture to the sharded filesystem layout, which takes each request
 in parts while it runs), ``plain_after_sink``, ``sink_whole`` (the sink with ``part_mb: 0``: each request
-whole, when it ends). Odd rounds run the phases in reverse order (a burst still followed by its ``plain_after``):
-``round_order``.
+whole, when it ends). ``plain`` runs first in every round; odd rounds run the bursts in reverse order (each
+still followed by its ``plain_after``): ``round_order``.
 ``--warmup-rounds`` rounds run first: the first bursts pay one-off costs (the pinned arena and torch's pinned
 cache filling, the consumer's shared blocks and shard memory mapped, a sink burst on an H200 host at 0.30 of
 plain in its first round and 0.46-0.66 in the next three), so they are listed but left out of the medians.
 Reported: throughput and TPOT of each phase against ``plain`` of the same round, TTFT of the plain phases after a
-burst against the one before it, the bytes of rows each capturing phase captured and their rate, how its capturing
-steps read (inside replayed CUDA graphs or eagerly, and how many as a steady batch's: the worker's
-``interp_capture_steps``, through vLLM's dev-mode ``/collective_rpc``, which the server is started with), the sink's
-shards on disk after shutdown, the server processes' peak resident memory, the server's busiest threads' time on a
-CPU and waiting for one in each phase (Linux's scheduler statistics: a forward thread that is neither is blocked, on
-a lock, the device or I/O), and, on the capture root's disk, the rate of the sink's own shard writer against a plain
-sequential write of the same bytes (A B A B, each synced to disk); ``--disk-only`` measures only that, without a
-server.
+burst against that ``plain`` (run before the bursts), the bytes of rows each capturing phase captured and their
+rate, how its capturing steps read (inside replayed CUDA graphs or eagerly, and how many as a steady batch's: the
+worker's ``interp_capture_steps``, through vLLM's dev-mode ``/collective_rpc``, which the server is started with),
+the sink's shards on disk after shutdown, the server processes' peak resident memory, the server's busiest threads'
+time on a CPU and waiting for one in each phase (Linux's scheduler statistics: a forward thread that is neither is
+blocked, on a lock, the device or I/O), and, on the capture root's disk, the rate of the sink's own shard writer
+against a plain sequential write of the same bytes (A B A B, each synced to disk); ``--disk-only`` measures only
+that, without a server.
 
 ``--py-spy PATH`` (a py-spy binary) samples every thread of the server's processes (the API server, the engine
-core, a consumer's own process) during each phase, plain included, idle time included (``--py-spy-gil``: only
-the thread holding each process's interpreter lock), into ``py-spy-<round>-<phase>.txt`` beside ``--out``
+core, a consumer's own process) during each phase, plain included, idle time included (``--py-spy-gil``
+instead: only the thread holding each process's interpreter lock), into ``py-spy-<round>-<phase>.txt`` beside ``--out``
 (collapsed stacks, one line per distinct stack). (With
 ``--native`` added, py-spy 0.4.3 wrote nothing on the H200 host: not offered.)
 
@@ -94,17 +94,17 @@ class Phase:
 
 
 def round_order(names: list[str], round_index: int) -> list[str]:
-    """The phases of a round: as listed in even rounds, in reverse in odd ones (each ``plain_after*`` phase kept
-    right after the burst it follows), so that no phase always runs first; serving pairs run in one order only
-    showed a bias of their own (``serve.py``'s TTFT ratios 1.13-1.16 with plain vLLM always first, 1.04-1.06
-    alternating)."""
+    """The phases of a round: ``plain`` first (the baseline that the plain phases after a burst are held to),
+    then the bursts as listed in even rounds and in reverse in odd ones, each ``plain_after*`` phase kept right
+    after the burst it follows: no burst always runs right after another's backlog."""
     units: list[list[str]] = []
     for name in names:
         if name.startswith("plain_after") and units:
             units[-1].append(name)
         else:
             units.append([name])
-    ordered = units if round_index % 2 == 0 else units[::-1]
+    plain, bursts = units[0], units[1:]
+    ordered = [plain, *(bursts if round_index % 2 == 0 else bursts[::-1])]
     return [name for unit in ordered for name in unit]
 
 
@@ -188,8 +188,8 @@ def report(args: argparse.Namespace, phases: list[Phase], rates: list[tuple[floa
              f"- Capture: `{json.dumps(EVERY_TOKEN)}` to `logging:level=debug` and to `filesystem` "
              f"(`layout=sharded,queue_mb={args.sink_queue_mb}`), isolation {args.isolation or 'each its default'}",
              f"- Server args: `{' '.join(args.server_arg)}`; started {started}; {wall_s:.0f} s",
-             "- Phases run in the order listed in even rounds, in reverse in odd ones (each burst followed by its "
-             "`plain_after`)", "",
+             "- `plain` first in every round, then the bursts in the order listed in even rounds and in reverse in odd "
+             "ones (a burst's `plain_after` right after it)", "",
              "(last gap: the median wait for a stream's last text chunk, which a capturing stream holds until the "
              "request's capture results come; TPOT includes it. Results wait / prepare: the server's mean per "
              "capturing request, from vLLM's last output to the results reaching the API server, then their "

@@ -10,7 +10,7 @@ token over the tokens between them) against a pass that captures nothing, in rou
 
 - ``plain``: no capture.
 - ``full``: as shipped (the forward thread queues an asynchronous copy into pinned memory and lands it at a
-  later step, split per request when large).
+  later step: whole, read where it landed, or split per request, as ``host_copies.to_host`` decides).
 - ``no_copy``: no device->host copy at all: each step lands a preallocated host block of the right shape at
   once (consumers get zeros), split per request as shipped; planning, the in-graph read, the gather, filing
   and consumers as usual.
@@ -45,10 +45,11 @@ _HOST_BLOCKS: dict[tuple, torch.Tensor] = {}
 _shipped_to_host = store.to_host
 
 
-def _to_host_variants(block: torch.Tensor, splits: list[tuple[int, int]], whole: bool = False):
+def _to_host_variants(block: torch.Tensor, splits: list[tuple[int, int]], whole: bool = False,
+                      in_parts: bool = False):
     """``store.to_host`` with the variants above, chosen per step from MODE."""
     if MODE["name"] != "no_copy":
-        return _shipped_to_host(block, splits, whole)
+        return _shipped_to_host(block, splits, whole, in_parts)
     key = (tuple(block.shape), block.dtype)
     if key not in _HOST_BLOCKS:
         _HOST_BLOCKS[key] = torch.zeros(key[0], dtype=block.dtype)

@@ -21,9 +21,9 @@ that waits for a CPU (taken by the clients or the API servers) makes that run sl
 its torch profiler over the wave's first steps (``benchmarks/step_profile.py``): where a feature's prefill
 steps spend their time on the device and in the forward thread's CUDA calls, against plain vLLM's;
 ``--torch-profile-stack`` records Python calls there too (the traces stay under ``WORKDIR/profiles``).
-``--py-spy PATH`` (a py-spy binary) samples the server of every run at 200 Hz, idle time included, into
-``WORKDIR/py-spy/py-spy-<round>-<workload>-<A|B>.txt`` (collapsed stacks per thread; ``--py-spy-gil``: only the
-thread holding each process's interpreter lock at each sample).
+``--py-spy PATH`` (a py-spy binary) samples the server of every run of A and B at 200 Hz, idle time included, into
+``WORKDIR/py-spy/py-spy-<round>-<workload>-<A|B>.txt`` (collapsed stacks per thread; ``--py-spy-gil`` instead:
+only the thread holding each process's interpreter lock at each sample).
 
 Workloads (concurrency N unless said): ``idle`` (every feature enabled, requests without fields; also at
 concurrency 1), ``steer_distinct`` (each request its own random vectors at every layer's post_block),

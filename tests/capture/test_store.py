@@ -40,7 +40,8 @@ class InlineInParts(InlineConsumer):
 @pytest.fixture(autouse=True, params=["small_blocks_whole", "every_block_split"])
 def block_landing(request, monkeypatch) -> str:
     """Every test both ways: these blocks are small, so they land whole (views per request), as on an engine;
-    and with every block split per request, as large blocks land (``host_copies.to_host``)."""
+    and as large blocks land (``host_copies.to_host``): split per request, or held where they landed when their
+    readers all take parts or all end with the step."""
     if request.param == "every_block_split":
         monkeypatch.setattr(host_copies, "WHOLE_MAX_BYTES", -1)
     return request.param

@@ -14,8 +14,10 @@ The store polls the events at later steps, on the forward thread, and lands each
   thread 0.23 ms of a 64-request decode step), and for blocks of any size whose readers all read their last
   rows in the step (``last_prompt`` captures): those are handed to their consumers as soon as the step lands,
   so the block is let go within a few steps. Such a block over ``WHOLE_MAX_BYTES`` is not copied out but read
-  where it landed (below): numpy's copy of a 3 MiB ``last_prompt`` block out of pinned memory took 1.24 ms of
-  the forward thread on an H200 host (0.06 ms on the dev CPU), in every prefill step of a capturing wave.
+  where it landed (below), unless it takes the arena (over ``PINNED_CACHED_MAX_BYTES``), whose ring would wait
+  for it: then it is copied out whole. numpy's copy of a 3 MiB ``last_prompt`` block out of pinned memory took
+  1.24 ms of the forward thread on an H200 host (0.06 ms on the dev CPU), in every prefill step of a capturing
+  wave.
 - ``SplitCopy`` (the larger blocks) lands split into each request's own rows, so that a long request never
   keeps the others' rows alive. Splitting costs a copy per request into fresh memory on the forward thread: a
   ``last_prompt`` prefill step of 32 requests at 48 sites took 2.3-3.3 ms of it on an H200 host.
@@ -84,7 +86,7 @@ class SplitCopy:
 
     def wait(self) -> None:
         """Land the copy: each request's rows in ordinary memory of their own (the pinned memory goes back to
-        torch's cache at once)."""
+        torch's cache, or to the arena, at once)."""
         if self.parts is None:
             self._event.synchronize()
             self.parts = split_copies(self._pinned, self.splits)
@@ -266,7 +268,8 @@ def _let_go(nbytes: int) -> None:
 
 class PinnedArena:
     """Pinned host memory that large blocks are copied into in turn, as a ring: blocks land in the order they
-    were copied, and each is given back once split out of, so the oldest is the next to go.
+    were copied, and each is given back once copied out of (split, or whole) or, held where it landed, once the
+last view of it is gone, so the oldest is usually the next to go (the ring waits for it).
 
     A large block in fresh pinned memory costs pinning it (and giving it back after, see ``_let_go``): in a
     burst of every-token captures, whose prefill steps make blocks of hundreds of MiB, that was 112 of the
@@ -282,7 +285,9 @@ class PinnedArena:
 
     def __init__(self, allocate: Callable[[int], torch.Tensor] | None = None) -> None:
         self._allocate = allocate or (lambda nbytes: torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))
-        self._lock = threading.Lock()  # regions held by views are given back by whichever thread drops them
+        # Taken on the forward thread only (held regions dropped elsewhere are queued, ``give_back_dropped``); a
+        # lock all the same, so that a region given back from another thread could never corrupt the ring.
+        self._lock = threading.Lock()
         self._memory: torch.Tensor | None = None
         self._unavailable = False  # its allocation failed once: not tried again
         self._regions: deque[list] = deque()  # [start, stop, given back], oldest first

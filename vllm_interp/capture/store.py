@@ -591,7 +591,8 @@ class CaptureStore:
 
     # -- after the forward ------------------------------------------------------------------------------
     def collect(self, plan: ReadPlan, reads: StepReads) -> None:
-        """Start copying this step's rows off the device, in one transfer, without waiting for it."""
+        """Start copying this step's rows (and each row reduction's block) off the device, one transfer each,
+        without waiting for them."""
         self._drain(needed=())  # file earlier steps' copies that have landed
         self.read_steps["eager" if reads.out else "graph"] += 1
         if reads.out:  # the step ran eagerly: the op handed its rows over
@@ -704,9 +705,10 @@ class CaptureStore:
     def _file(self, step: _StepRows) -> None:
         """File a landed step under each request that read in it. Large copies landed split per request: each
         request takes its own parts and the step lets go of them, so a long request never keeps the others'
-        rows alive. Small ones, and those left where they landed for readers that all take parts, stay with
-        the step, read as views when a request's rows are gathered: filing an every-token step of small
-        summaries costs one tuple per request."""
+        rows alive. Copies landed whole (small ones, ones copied out whole, ones read where they landed) stay
+        with the step, read as views when a request's rows are gathered: filing an every-token step of small
+        summaries costs one tuple per request. Readers given their own copies of a held block (``copied_out``)
+        file the step without it."""
         run = step.run
         if run is not None and not run.settled:
             run.filed.append(step)  # under each of its requests when it is settled

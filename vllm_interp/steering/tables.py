@@ -138,8 +138,8 @@ class SteeringTables:
         """The step's table row of every token (None: none steered), with the step's new requests looked up
         and the slots of requests that left the batch freed first. ``request(req_id)``: its ``extra_args``
         and prompt length. Runs before every step: a batch of which no request is steered (an enabled but
-        idle engine) costs a membership test per request, in C, and a steered one a dictionary read per
-        request and array operations."""
+        idle engine) costs a membership test per request, and a steered one a dictionary read per request and
+        array operations."""
         by_req, facts, req_ids = self._by_req, self._step_facts, layout.req_ids
         new = [req_id for req_id in req_ids if req_id not in facts]  # (facts' keys are a subset of by_req's)
         if len(by_req) > len(req_ids) - len(new):  # some looked-up request is not in this batch
