@@ -329,23 +329,21 @@ class Bench:
         }[name]
 
     def run(self, url: str, prompts: list[list[int]], stream: bool, concurrency: int,
-            fields: Callable[[int], dict[str, Any]] = lambda i: {}) -> RunStats:
-        """The prompts as requests to ``url``, each with ``fields(its index)`` added."""
+            fields: Callable[[int], dict[str, Any]] = lambda i: {}, sample_as: str | None = None) -> RunStats:
+        """The prompts as requests to ``url``, each with ``fields(its index)`` added; with ``--py-spy``, a run
+        given a ``sample_as`` label has its server sampled into ``WORKDIR/py-spy/py-spy-LABEL.txt``."""
         bodies = [{**self.body(p, stream), **fields(i)} for i, p in enumerate(prompts)]
-        return run_requests(url, bodies, concurrency, self.pids.get(url), self.client_cpus)
-
-    def sampled(self, url: str, label: str, run: Callable[[], RunStats]) -> RunStats:
-        """``run()``, its server sampled by py-spy into ``WORKDIR/py-spy/py-spy-LABEL.txt`` with ``--py-spy``."""
-        if self.py_spy is None:
-            return run()
-        out_dir = Path(self.args.workdir) / "py-spy"
-        out_dir.mkdir(exist_ok=True)
-        sampler = ServerSampler(self.py_spy, self.pids[url], out_dir, self.py_spy_gil)
-        sampler.start(label)
+        sampler = None
+        if self.py_spy is not None and sample_as is not None:
+            out_dir = Path(self.args.workdir) / "py-spy"
+            out_dir.mkdir(exist_ok=True)
+            sampler = ServerSampler(self.py_spy, self.pids[url], out_dir, self.py_spy_gil)
+            sampler.start(sample_as)
         try:
-            return run()
+            return run_requests(url, bodies, concurrency, self.pids.get(url), self.client_cpus)
         finally:
-            sampler.stop()
+            if sampler is not None:
+                sampler.stop()
 
     def profile_pair(self, name: str, profiles: Path) -> list[str]:
         """One more wave of ``name`` (``--concurrency`` requests) on each server with its torch profiler over the
@@ -378,12 +376,10 @@ class Bench:
                                                    "tag": SOURCE_RUN}}}
             post(self.interp_url, "/v1/completions", source)
         try:
-            label = f"{round_index}-{name}"
-            runs = {"A": lambda: self.sampled(self.plain_url, f"{label}-A",
-                                              lambda: self.run(self.plain_url, prompts, stream, concurrency)),
-                    "B": lambda: self.sampled(self.interp_url, f"{label}-B",
-                                              lambda: self.run(self.interp_url, prompts, stream, concurrency, fields))}
-            stats = {server: runs[server]() for server in ("AB" if round_index % 2 == 0 else "BA")}
+            runs = {"A": (self.plain_url, lambda i: {}), "B": (self.interp_url, fields)}
+            stats = {server: self.run(runs[server][0], prompts, stream, concurrency, runs[server][1],
+                                      sample_as=f"{round_index}-{name}-{server}")
+                     for server in ("AB" if round_index % 2 == 0 else "BA")}
             baseline, feature = stats["A"], stats["B"]
         finally:
             if name == "steer_global":

@@ -269,7 +269,7 @@ def _let_go(nbytes: int) -> None:
 class PinnedArena:
     """Pinned host memory that large blocks are copied into in turn, as a ring: blocks land in the order they
     were copied, and each is given back once copied out of (split, or whole) or, held where it landed, once the
-last view of it is gone, so the oldest is usually the next to go (the ring waits for it).
+    last view of it is gone, so the oldest is usually the next to go (the ring waits for it).
 
     A large block in fresh pinned memory costs pinning it (and giving it back after, see ``_let_go``): in a
     burst of every-token captures, whose prefill steps make blocks of hundreds of MiB, that was 112 of the
