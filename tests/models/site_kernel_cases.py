@@ -97,3 +97,49 @@ def kernel_leaves_unnamed_rows_alone(device: torch.device) -> None:
     read_out = _kernel(hidden, residual, steer_index, table, patch_index, values, alphas, False, read=False)
     assert torch.equal(hidden, before[0]) and torch.equal(residual, before[1])
     assert (read_out == 7).all()
+
+
+def eager_kernel_matches_torch_ops(device: torch.device, dtype: torch.dtype, pair: bool, hidden_in_use: bool,
+                                   steered: bool, read: bool) -> None:
+    """An eager step on a GPU launches the site kernel (``STEP.kernel_zero_index`` set, its rows armed in the
+    graph read buffers): the stream and the rows read equal what the torch ops give (the CPU's path, and a step
+    reading more rows than the buffers hold) bit for bit, patches included; a site not read leaves the read
+    buffer alone."""
+    width = 576
+    buffers = _buffers(device, width, dtype, pair)
+    rows = torch.tensor(list(PATCHES), device=device)
+    values, alphas = buffers[5], buffers[6]
+    slots = buffers[4][HOOK, rows]
+    planned = {(LAYER, HOOK): (rows, values.index_select(0, slots), alphas.index_select(0, slots))}
+    read_rows = torch.tensor(READ_ROWS, device=device)
+
+    def run(kernel: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        hidden, residual, steer_index, table, patch_index, values, alphas = (
+            b.clone() if b is not None else None for b in buffers)
+        read_slot = torch.full((TOKENS,), -1, dtype=torch.long, device=device)
+        read_flags = torch.zeros(3, dtype=torch.int32, device=device)
+        read_out = torch.full((3, len(READ_ROWS) + 2, width), 7.0, dtype=dtype, device=device)
+        reads = StepReads(read_rows, frozenset({(LAYER, HOOK)} if read else ()), armed=kernel)
+        if kernel and read:  # as the capture store arms them
+            read_slot[read_rows] = torch.arange(len(READ_ROWS), device=device)
+            read_flags[HOOK] = 1
+        STEP.reads, STEP.steer, STEP.patch = reads, frozenset({(LAYER, HOOK)} if steered else ()), planned
+        STEP.kernel_zero_index = torch.zeros(TOKENS, dtype=torch.long, device=device) if kernel else None
+        try:
+            site(hidden, residual, steer_index, table, patch_index, values, alphas, read_slot, read_flags, read_out,
+                 LAYER, HOOK, hidden_in_use)
+        finally:
+            STEP.reads, STEP.steer, STEP.patch, STEP.kernel_zero_index = None, frozenset(), None, None
+        assert reads.eager == read
+        if not read:
+            assert (read_out == 7).all() and not reads.out
+            got = read_out[HOOK, :0]
+        elif kernel:
+            assert not reads.out and (read_out[HOOK, len(READ_ROWS):] == 7).all()
+            got = read_out[HOOK, : len(READ_ROWS)]
+        else:
+            got = reads.out[(LAYER, HOOK)]
+        return hidden, residual, got
+
+    for a, b in zip(run(kernel=False), run(kernel=True), strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
