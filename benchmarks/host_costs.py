@@ -18,9 +18,8 @@
   token's event of a capturing stream through the middleware (microseconds).
 - The worker admitting a request whose all-layer steering config is new (its table rows written), per config;
   ``--device cuda`` puts that table on the GPU (host time, uploads included).
-- The site op's eager body at every site of an 8,192-token prefill step, per call, alone and beside a busy
-  thread: idle, reading a row per request finishing its prompt, steering every row; through torch ops, and with
-  ``--device cuda`` (the stream on the GPU, launches included) through the site kernel too.
+- The site op's eager body at every site of an 8,192-token prefill step, per call: idle, and reading a row per
+  request finishing its prompt (``--device cuda``: the stream on the GPU, launches included).
 - A forward-like loop beside an ``inline`` consumer's runner thread busy with 32 requests: the interpreter
   lock's handoffs, with the forward gate open and closed (``capture.dispatch.FORWARD``).
 - Every-token capture of ``--requests`` requests at ``post_block`` of every layer to ``logging`` (packed), and
@@ -43,8 +42,8 @@ import json
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import nullcontext
 from functools import partial
 from types import SimpleNamespace
 
@@ -69,7 +68,7 @@ from vllm_interp.capture.plugins import DEFAULT_QUEUE_MB
 from vllm_interp.capture.results import ConsumerResult, result_to_json
 from vllm_interp.capture.spec import spec_to_wire, validate_capture_spec
 from vllm_interp.capture.store import CaptureStore
-from vllm_interp.config import DEFAULT_MAX_GRAPH_CAPTURE_ROWS, InterpConfig
+from vllm_interp.config import InterpConfig
 from vllm_interp.engine.v0_26.steps import InterpSteps
 from vllm_interp.frontend import InterpFrontend, PreparedRequest
 from vllm_interp.hooks import HOOKS, ModelShape, site_name
@@ -142,7 +141,8 @@ def planning_us(positions: str, args: argparse.Namespace) -> float:
         store.lookup(req_id, {EXTRA_ARGS_KEY: {"capture": spec_to_wire(spec)}}, prompt_len=128)
     layout = BatchLayout.of(ids, np.arange(args.requests + 1), np.full(args.requests, 200))  # one decode token each
     try:
-        return per_call_s(lambda: store.site_reads(store.plan_reads(layout), torch.device("cpu")),
+        tokens = layout.total_tokens
+        return per_call_s(lambda: store.site_reads(store.plan_reads(layout), torch.device("cpu"), tokens),
                           args.repeats) * 1e6
     finally:
         store.close()
@@ -175,7 +175,7 @@ def capture_wave_us(args: argparse.Namespace) -> dict[str, float]:
         # The prompts' last chunks: each request's last prompt position is read.
         layout = BatchLayout.of(ids, np.arange(0, (count + 1) * chunk, chunk), np.full(count, prompt_len - chunk))
         plan = store.plan_reads(layout)
-        reads = store.site_reads(plan, torch.device("cpu"))
+        reads = store.site_reads(plan, torch.device("cpu"), layout.total_tokens)
         reads.out.update({site: rows for site in reads.sites})
         store.collect(plan, reads)
         store.finish(set(ids))
@@ -364,28 +364,19 @@ class NullConsumer(CaptureConsumer):
         return {}
 
 
-def eager_site_us(args: argparse.Namespace) -> dict[str, tuple[float, float]]:
+def eager_site_us(args: argparse.Namespace) -> dict[str, float]:
     """The site op's eager body, per call over every site of a prefill step of 8,192 tokens (the stream a
-    ``(hidden, residual)`` pair, as Llama's layers carry it) on ``--device``, alone and beside a busy thread:
-    sites the step leaves alone; sites reading one row per request finishing its prompt in the step (16:
-    512-token prompts); sites steering every row (128 configs). Each through torch ops, and on a GPU through
-    the site kernel too (rows armed in the graph read buffers). A capturing wave's prefill steps run eagerly;
-    py-spy put 50-130 us a call of the torch ops' body on an H200 host's forward thread (serve-gpu-2026-11-29.md,
-    session 22)."""
+    ``(hidden, residual)`` pair, as Llama's layers carry it) on ``--device``: sites the step leaves alone, and
+    sites reading one row per request finishing its prompt in the step (16: 512-token prompts). A capturing
+    wave's prefill steps run eagerly; py-spy put 50-130 us a call of the body on an H200 host's forward thread
+    (serve-gpu-2026-11-29.md, session 22)."""
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    tokens, configs = 8192, 128
-    bank = SiteBank.allocate(list(range(args.layers)), hidden_size=args.hidden, dtype=dtype, device=device,
-                             max_tokens=tokens, steer_rows=configs + 1, patch_slots=1,
-                             graph_read_rows=DEFAULT_MAX_GRAPH_CAPTURE_ROWS)
+    bank = site_bank(args.layers, args.hidden, steer_rows=1, dtype=dtype, device=args.device)
+    tokens = 8192
     hidden = torch.randn(tokens, args.hidden, dtype=dtype, device=device)
     residual = torch.randn(tokens, args.hidden, dtype=dtype, device=device)
-    bank.steer_table.normal_()
-    bank.steer_index.copy_(torch.arange(tokens, device=device) // (tokens // configs) + 1)
     sites = [(layer, hook) for layer in range(args.layers) for hook in range(len(HOOKS))]
-    rows = to_device(np.arange(511, tokens, 512), device)
-    bank.read_slot[rows] = torch.arange(len(rows), device=device)
-    bank.read_flags.fill_(1)
 
     def step() -> None:
         for layer, hook in sites:
@@ -395,21 +386,12 @@ def eager_site_us(args: argparse.Namespace) -> dict[str, tuple[float, float]]:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    cases = {"idle": (None, frozenset(), False), "reading 16 rows": ("reads", frozenset(), False),
-             "steering every row": (None, frozenset(sites), False)}
-    if bank.zero_index is not None:
-        cases.update({f"{what}, site kernel": (reads, steer, True) for what, (reads, steer, _) in cases.items()
-                      if what != "idle"})
+    rows = to_device(np.arange(511, tokens, 512), device)
     timings = {}
-    for what, (reads, steer, kernel) in cases.items():
-        site_ops.STEP.steer = steer
-        site_ops.STEP.kernel_zero_index = bank.zero_index if kernel else None
-        site_ops.STEP.reads = site_ops.StepReads(rows, frozenset(sites), armed=kernel) if reads else None
-        alone = per_call_s(step, max(1, args.repeats // 20)) / len(sites) * 1e6
-        with busy_thread():
-            beside = per_call_s(step, max(1, args.repeats // 20)) / len(sites) * 1e6
-        timings[what] = (alone, beside)
-    site_ops.STEP.reads, site_ops.STEP.steer, site_ops.STEP.kernel_zero_index = None, frozenset(), None
+    for what, reads in (("idle", None), ("reading 16 rows", site_ops.StepReads(rows, frozenset(sites)))):
+        site_ops.STEP.reads = reads
+        timings[what] = per_call_s(step, max(1, args.repeats // 20)) / len(sites) * 1e6
+    site_ops.STEP.reads = None
     return timings
 
 
@@ -453,15 +435,6 @@ def copies_ms(args: argparse.Namespace) -> dict[str, tuple[float, float]]:
     }
     repeats = max(args.repeats // 200, 5)
     alone = {name: per_call_s(call, repeats) * 1e3 for name, call in calls.items()}
-    with busy_thread():
-        beside = {name: per_call_s(call, repeats) * 1e3 for name, call in calls.items()}
-    return {name: (alone[name], beside[name]) for name in calls}
-
-
-@contextmanager
-def busy_thread() -> Iterator[None]:
-    """A thread that keeps the interpreter lock as a busy forward loop does: pure Python for 2 ms, then a 0.1 ms
-    sleep."""
     stop = threading.Event()
 
     def busy() -> None:
@@ -474,10 +447,11 @@ def busy_thread() -> Iterator[None]:
     thread = threading.Thread(target=busy, daemon=True)
     thread.start()
     try:
-        yield
+        beside = {name: per_call_s(call, repeats) * 1e3 for name, call in calls.items()}
     finally:
         stop.set()
         thread.join()
+    return {name: (alone[name], beside[name]) for name in calls}
 
 
 def every_token_ms(args: argparse.Namespace, consumer_class: type[CaptureConsumer] = LoggingConsumer,
@@ -504,7 +478,7 @@ def every_token_ms(args: argparse.Namespace, consumer_class: type[CaptureConsume
         for step_index in range(steps):
             layout = BatchLayout.of(ids, np.arange(count + 1), np.full(count, prompt_len + step_index))
             plan = store.plan_reads(layout)
-            reads = store.site_reads(plan, torch.device("cpu"))
+            reads = store.site_reads(plan, torch.device("cpu"), layout.total_tokens)
             reads.out.update({site: rows for site in reads.sites})
             store.collect(plan, reads)
         per_step = (time.perf_counter() - started) / steps
@@ -546,9 +520,9 @@ def main() -> None:
     print(f"The worker admitting a new all-layer steering config (its table rows): {new_config_ms(args):.3f} ms")
     print(f"A capturing stream's token event through the middleware: {stream_event_us(args):.2f} us")
     print(f"The site op's eager body at {3 * args.layers} sites of an 8,192-token prefill step, on {args.device}, "
-          "us a call (alone / beside a busy thread):")
-    for what, (alone, beside) in eager_site_us(args).items():
-        print(f"  {what}: {alone:.1f} / {beside:.1f}")
+          "us a call:")
+    for what, value in eager_site_us(args).items():
+        print(f"  {what}: {value:.1f}")
     print("A forward-like loop of 1,500 small ops beside 32 inline requests' consumption (the loop / the wait "
           "after it for the requests):")
     for what, (loop_ms, rest_ms) in beside_consumers_ms(args).items():

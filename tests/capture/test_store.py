@@ -73,7 +73,7 @@ def extra_args(key: str, positions) -> dict:
 def step(store: CaptureStore, req_id: str, start: int, tokens: int, stream: torch.Tensor) -> None:
     """One step of one request computing positions start..start+tokens; ``stream`` is [tokens, hidden]."""
     plan = store.plan_reads(BatchLayout.of([req_id], np.array([0, tokens]), np.array([start])))
-    reads = store.site_reads(plan, torch.device("cpu"))
+    reads = store.site_reads(plan, torch.device("cpu"), 0)
     if reads is None:
         return
     reads.out[(1, 2)] = stream.index_select(0, reads.rows)  # what the site op at 1.post_block would hand back
@@ -102,7 +102,7 @@ def test_a_step_arms_the_graph_read_buffers_and_clears_what_the_last_one_set():
 
     def arm(ids: list[str], tokens: list[int]) -> None:
         layout = BatchLayout.of(ids, np.array([0, *np.cumsum(tokens)]), np.zeros(len(ids), dtype=np.int64))
-        store.site_reads(store.plan_reads(layout), torch.device("cpu"))
+        store.site_reads(store.plan_reads(layout), torch.device("cpu"), sum(tokens))
 
     arm(["a", "b"], [2, 1])  # token rows 0, 1 (a) and 2 (b)
     assert bank.read_slot.tolist() == [0, 1, 2, -1, -1, -1, -1, -1]
@@ -201,7 +201,7 @@ def test_the_parts_of_requests_decoding_together_are_spread_over_the_steps():
     cut_at: dict[str, list[int]] = {req_id: [] for req_id in ids}
     for position in range(steps):
         plan = store.plan_reads(BatchLayout.of(ids, np.arange(len(ids) + 1), np.full(len(ids), position)))
-        reads = store.site_reads(plan, torch.device("cpu"))
+        reads = store.site_reads(plan, torch.device("cpu"), len(ids))
         reads.out[(1, 2)] = torch.full((len(ids), HIDDEN), float(position)).index_select(0, reads.rows)
         store.collect(plan, reads)
         for req_id in ids:
@@ -231,7 +231,7 @@ def test_a_block_whose_readers_all_take_parts_is_read_where_it_landed(block_land
     def landing(req_ids: list[str], tokens: list[int], starts: tuple[int, ...] = (0, 0)) -> str:
         layout = BatchLayout.of(req_ids, np.array([0, *np.cumsum(tokens)]), np.array(starts[: len(req_ids)]))
         plan = store.plan_reads(layout)
-        reads = store.site_reads(plan, torch.device("cpu"))
+        reads = store.site_reads(plan, torch.device("cpu"), sum(tokens))
         reads.out[(1, 2)] = torch.randn(sum(tokens), HIDDEN).index_select(0, reads.rows)
         store.collect(plan, reads)
         copy = store._pending[-1].rows
@@ -274,7 +274,7 @@ def test_steps_without_wanted_positions_read_nothing_and_unknown_keys_answer_emp
     assert store.capturing
     step(store, "r", 0, 2, torch.randn(2, HIDDEN))  # positions 0-1: nothing wanted
     assert store.site_reads(store.plan_reads(BatchLayout.of([], np.array([0]), np.array([]))),
-                            torch.device("cpu")) is None
+                            torch.device("cpu"), 0) is None
     step(store, "r", 2, 1, torch.randn(1, HIDDEN))
     assert store.results({"nosuch": 3}, wait_s=0) == {"nosuch": {}}
     assert store.results({"k": 4}, wait_s=5)["k"]["inline"]["rows"] == 1
@@ -304,8 +304,8 @@ def test_ranks_without_the_consumer_plan_the_same_rows_and_read_none():
         plans.append(store.plan_reads(BatchLayout.of(["r"], np.array([0, 4]), np.array([0]))))
     assert plans[0].num_rows == plans[1].num_rows == 4
     np.testing.assert_array_equal(plans[0].rows, plans[1].rows)
-    assert rank0.site_reads(plans[0], torch.device("cpu")) is not None
-    assert rank1.site_reads(plans[1], torch.device("cpu")) is None
+    assert rank0.site_reads(plans[0], torch.device("cpu"), 0) is not None
+    assert rank1.site_reads(plans[1], torch.device("cpu"), 0) is None
     assert rank1.capturing
     assert rank1.results({"k": 5}, wait_s=0) == {"k": {}}
     rank0.close()
@@ -338,7 +338,7 @@ def test_a_prompt_capture_goes_to_its_consumer_when_its_last_rows_land(block_lan
     store.lookup("b", extra_args("b", "last_prompt"), prompt_len=2)
     stream = torch.randn(5, HIDDEN)
     plan = store.plan_reads(BatchLayout.of(["a", "b"], np.array([0, 3, 5]), np.array([0, 0])))
-    reads = store.site_reads(plan, torch.device("cpu"))
+    reads = store.site_reads(plan, torch.device("cpu"), 0)
     reads.out[(1, 2)] = stream.index_select(0, reads.rows)
     store.collect(plan, reads)
     assert not store.capturing  # both ended: no step plans reads any more
@@ -357,7 +357,7 @@ def test_a_prompt_capture_goes_to_its_consumer_when_its_last_rows_land(block_lan
     store.lookup("c", extra_args("c", "last_prompt"), prompt_len=1)
     store.lookup("d", extra_args("d", "all"), prompt_len=1)
     plan = store.plan_reads(BatchLayout.of(["c", "d"], np.array([0, 1, 2]), np.array([0, 0])))
-    reads = store.site_reads(plan, torch.device("cpu"))
+    reads = store.site_reads(plan, torch.device("cpu"), 0)
     reads.out[(1, 2)] = stream[:2]
     store.collect(plan, reads)
     split = block_landing == "every_block_split"
@@ -378,7 +378,7 @@ def test_requests_of_one_step_wanting_different_sites_get_their_own_rows(block_l
     for step_index, ids in enumerate([["wide", "narrow"], ["narrow"]]):
         starts = np.array([0, *np.cumsum([1] * len(ids))])
         plan = store.plan_reads(BatchLayout.of(ids, starts, np.array([step_index] * len(ids))))
-        reads = store.site_reads(plan, torch.device("cpu"))
+        reads = store.site_reads(plan, torch.device("cpu"), 0)
         for site in reads.sites:
             reads.out[site] = streams[site][step_index].index_select(0, reads.rows)
         store.collect(plan, reads)
@@ -485,7 +485,7 @@ def test_a_steady_decode_batch_is_planned_and_filed_as_the_loop_over_its_request
         assert (plan.rows.tolist(), plan.positions.tolist(), plan.req_ids, plan.slot_starts.tolist()) == (
             expected.rows.tolist(), expected.positions.tolist(), expected.req_ids, expected.slot_starts.tolist())
         for store, step_plan in ((fast, plan), (reference, expected)):
-            reads = store.site_reads(step_plan, torch.device("cpu"))
+            reads = store.site_reads(step_plan, torch.device("cpu"), 0)
             if reads is not None:
                 reads.out[(1, 2)] = stream.index_select(0, reads.rows)
                 store.collect(step_plan, reads)
@@ -518,7 +518,7 @@ def test_a_request_ending_in_a_steady_batch_waits_for_the_steps_still_in_flight(
             in_flight[0] = True  # the steady steps' copies from here on have not landed
         layout = BatchLayout.of(["a", "b"], np.array([0, 1, 2]), np.array([position, position]))
         plan = store.plan_reads(layout)
-        reads = store.site_reads(plan, torch.device("cpu"))
+        reads = store.site_reads(plan, torch.device("cpu"), 0)
         reads.out[(1, 2)] = torch.full((2, HIDDEN), float(position))
         store.collect(plan, reads)
     assert store.results({"a": 9}, wait_s=0.0) == {}  # ended; its last steps have not landed

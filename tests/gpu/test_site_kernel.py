@@ -5,11 +5,7 @@ import pytest
 import torch
 
 from tests.gpu.modes import print_figure
-from tests.models.site_kernel_cases import (
-    eager_kernel_matches_torch_ops,
-    kernel_leaves_unnamed_rows_alone,
-    kernel_matches_eager,
-)
+from tests.models.site_kernel_cases import kernel_leaves_unnamed_rows_alone, kernel_matches_eager
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -26,10 +22,3 @@ def test_the_graph_kernel_writes_steers_and_reads_as_the_eager_op_does(dtype, pa
 
 def test_the_graph_kernel_reads_nothing_when_the_sites_flag_is_clear_and_leaves_unnamed_rows_alone():
     kernel_leaves_unnamed_rows_alone(CUDA)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize(("pair", "hidden_in_use"), [(False, False), (True, False), (True, True)])
-@pytest.mark.parametrize(("steered", "read"), [(True, True), (True, False), (False, True)])
-def test_an_eager_step_through_the_kernel_equals_the_torch_ops(dtype, pair, hidden_in_use, steered, read):
-    eager_kernel_matches_torch_ops(CUDA, dtype, pair, hidden_in_use, steered, read)

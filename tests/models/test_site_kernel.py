@@ -10,11 +10,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 from triton.runtime.interpreter import InterpretedFunction
 
-from tests.models.site_kernel_cases import (
-    eager_kernel_matches_torch_ops,
-    kernel_leaves_unnamed_rows_alone,
-    kernel_matches_eager,
-)
+from tests.models.site_kernel_cases import kernel_leaves_unnamed_rows_alone, kernel_matches_eager
 from vllm_interp.models import site_kernel
 
 CPU = torch.device("cpu")
@@ -48,10 +44,3 @@ def test_the_interpreted_kernel_writes_steers_and_reads_as_the_eager_op_does(int
 
 def test_the_interpreted_kernel_leaves_rows_no_buffer_names_alone(interpreted):
     kernel_leaves_unnamed_rows_alone(CPU)
-
-
-@pytest.mark.parametrize(("pair", "hidden_in_use"), [(False, False), (True, False), (True, True)])
-@pytest.mark.parametrize(("steered", "read"), [(True, True), (True, False), (False, True)])
-def test_an_eager_step_through_the_interpreted_kernel_equals_the_torch_ops(interpreted, pair, hidden_in_use,
-                                                                            steered, read):
-    eager_kernel_matches_torch_ops(CPU, torch.float32, pair, hidden_in_use, steered, read)

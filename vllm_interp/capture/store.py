@@ -535,19 +535,18 @@ class CaptureStore:
             return entry.reads_from
         return entry.select(np.arange(position_start, position_start + num_tokens))
 
-    def site_reads(self, plan: ReadPlan, device: torch.device) -> StepReads | None:
-        """What the site ops read this step: the planned rows, at the sites some request of the step wants.
-        Within the graph row budget the rows are armed in the graph read buffers, which a replay reads into and
-        so does an eager step's site kernel (site_ops); otherwise the buffers are cleared."""
+    def site_reads(self, plan: ReadPlan, device: torch.device, step_tokens: int) -> StepReads | None:
+        """What the site ops read this step (of ``step_tokens`` tokens): the planned rows, at the sites some
+        request of the step wants. Within the graph row budget the graph read buffers are armed too, for the case
+        the step replays; a step too large for any graph (a prefill chunk) leaves them as they are: the next step
+        that may replay sets them."""
         # A rank that runs none of the step's consumers plans the same rows (so it decides between graphs and
         # eager execution as the others do) but reads nothing.
         steady = self._steady_of(plan)
         sites = steady.sites if steady is not None else _readers_sites(self._entries[r] for r in plan.req_ids)
         reads = StepReads(self._device_rows(plan.rows, device), sites) if sites else None
-        if self.bank.graph_read_rows:
-            if reads is not None and self.fits_graph(plan.num_rows):
-                reads.armed = True
-            self._arm_graph_reads(reads if reads is not None and reads.armed else None)
+        if self.bank.graph_read_rows and self.may_replay(step_tokens):
+            self._arm_graph_reads(reads if reads is not None and self.fits_graph(plan.num_rows) else None)
         return reads
 
     def _device_rows(self, rows: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -595,11 +594,11 @@ class CaptureStore:
         """Start copying this step's rows (and each row reduction's block) off the device, one transfer each,
         without waiting for them."""
         self._drain(needed=())  # file earlier steps' copies that have landed
-        self.read_steps["eager" if reads.eager else "graph"] += 1
-        if reads.out:  # the op handed its rows over
+        self.read_steps["eager" if reads.out else "graph"] += 1
+        if reads.out:  # the step ran eagerly: the op handed its rows over
             sites = _interned(tuple(sorted(reads.out)))
             block = torch.stack([reads.out[site] for site in sites])
-        else:  # a graph replay, or an eager step's site kernels, read into the buffers the rows were armed in
+        else:  # a graph replay read into the buffers the rows were armed in
             sites = _ordered(reads.sites)
             block = self._graph_block(sites, len(reads.rows))
         steady = self._steady_of(plan)

@@ -135,9 +135,6 @@ class SiteBank:
     read_slot: torch.Tensor
     read_flags: torch.Tensor
     read_out: torch.Tensor
-    # [max_tokens] zeros on a GPU (None on the CPU): the index eager steps give the site kernel for the parts a
-    # site leaves alone (site_ops).
-    zero_index: torch.Tensor | None = None
 
     @property
     def graph_read_rows(self) -> int:
@@ -172,7 +169,6 @@ class SiteBank:
             read_slot=torch.full((max_tokens if graph_read_rows else 1,), -1, dtype=torch.long, device=device),
             read_flags=torch.zeros(len(held), len(HOOKS), dtype=torch.int32, device=device),
             read_out=torch.zeros(len(held), len(HOOKS), graph_read_rows, hidden_size, dtype=dtype, device=device),
-            zero_index=torch.zeros(max_tokens, dtype=torch.long, device=device) if device.type == "cuda" else None,
         )
 
 

@@ -1,5 +1,4 @@
-"""The site op's body inside CUDA graphs, and at the sites an eager step on a GPU steers or reads: write, steer
-and read in one Triton kernel launch per site.
+"""The site op's body inside CUDA graphs: write, steer and read in one Triton kernel launch per site.
 
 A captured graph replays every kernel the op launched, on every step, whether or not a request uses a
 feature: launched one torch op at a time, the patch write, steering add and read cost about a dozen kernels per
@@ -19,9 +18,6 @@ bit for alpha 0 or 1 and steering, and to one rounding for other alphas.
 import torch
 import triton
 import triton.language as tl
-from triton import knobs
-from triton.compiler.compiler import CompiledKernel
-from triton.runtime import driver
 
 
 @triton.jit
@@ -87,14 +83,6 @@ def _site_kernel(hidden_ptr, residual_ptr, hidden_stride, residual_stride, width
             tl.store(read_out_ptr + read_slot * read_stride + cols, stream, mask=mask)
 
 
-# Compiled variants by all that Triton specializes the kernel on: the switches and block, the integer arguments'
-# values, the tensors' dtypes and device, with every pointer 16-byte aligned. A launch of a known variant calls its
-# launcher directly, as ``JITFunction.run`` does once it has found the variant (Triton 3.6, which torch 2.11
-# pins), skipping the binding and specialization of the 22 arguments: about 40 us a launch on an H200 host's
-# forward thread, 48 launches a steered or capturing eager step.
-_LAUNCHABLE: dict[tuple, CompiledKernel] = {}
-
-
 def site_in_graph(hidden: torch.Tensor, residual: torch.Tensor | None, steer_index: torch.Tensor,
                   steer_table: torch.Tensor | None, patch_index: torch.Tensor | None, patch_values: torch.Tensor,
                   patch_alpha: torch.Tensor, read_slot: torch.Tensor | None, read_flag: torch.Tensor,
@@ -105,27 +93,14 @@ def site_in_graph(hidden: torch.Tensor, residual: torch.Tensor | None, steer_ind
     if rows == 0:
         return
     block = min(1024, triton.next_power_of_2(width))
-    residual_arg = hidden if residual is None else residual
-    table = hidden if steer_table is None else steer_table
-    patch_rows = steer_index if patch_index is None else patch_index
-    read_rows = steer_index if read_slot is None else read_slot
-    args = (hidden, residual_arg, hidden.stride(0), residual_arg.stride(0), width,
-            steer_index, table, 0 if steer_table is None else steer_table.stride(0),
-            patch_rows, patch_values, patch_values.stride(0), patch_alpha,
-            read_rows, read_flag, read_out, read_out.stride(0),
-            residual is not None, hidden_in_use, patch_index is not None, steer_table is not None,
-            read_slot is not None, block)
     grid = (rows, triton.cdiv(width, block))
-    tensors = (hidden, residual_arg, steer_index, table, patch_rows, patch_values, patch_alpha, read_rows, read_flag,
-               read_out)
-    aligned = not any(tensor.data_ptr() & 15 for tensor in tensors)
-    key = (args[2:5], args[7], args[10], args[15], args[16:], tuple(tensor.dtype for tensor in tensors),
-           hidden.device.index)
-    kernel = _LAUNCHABLE.get(key) if aligned else None
-    if kernel is None or knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None:
-        kernel = _site_kernel[grid](*args)
-        if aligned and isinstance(kernel, CompiledKernel):
-            _LAUNCHABLE[key] = kernel
-        return
-    stream = driver.active.get_current_stream(hidden.device.index)
-    kernel.run(grid[0], grid[1], 1, stream, kernel.function, kernel.packed_metadata, None, None, None, *args)
+    residual_arg = hidden if residual is None else residual
+    _site_kernel[grid](
+        hidden, residual_arg, hidden.stride(0), residual_arg.stride(0), width,
+        steer_index, hidden if steer_table is None else steer_table,
+        0 if steer_table is None else steer_table.stride(0),
+        steer_index if patch_index is None else patch_index, patch_values, patch_values.stride(0), patch_alpha,
+        steer_index if read_slot is None else read_slot, read_flag, read_out, read_out.stride(0),
+        HAS_RESIDUAL=residual is not None, HIDDEN_IN_USE=hidden_in_use, PATCH=patch_index is not None,
+        STEER=steer_table is not None, READ=read_slot is not None, BLOCK=block,
+    )

@@ -8,21 +8,14 @@
    zeros, so unsteered rows are unchanged bit for bit);
 3. **read**: when this step captures the site, copy the planned rows out.
 
-Captured in a CUDA graph, the op launches one kernel (site_kernel.py) that acts on every row as the persistent
-buffers say, which the runner fills before every step, so replays patch, steer and read too: row ``r`` takes
-patch slot ``patch_index[hook, r]`` of ``patch_values``/``patch_alpha`` (slot 0: unpatched) and steering row
+Run eagerly, the op acts on what the runner planned for the step in ``STEP`` (the patched rows, the sites
+anything is steered at, the rows to read, which it hands back as new tensors in ``STEP.reads``). Captured in a
+CUDA graph, it launches one kernel (site_kernel.py) that acts on every row as the persistent buffers say,
+which the runner fills before every step, so replays patch, steer and read too: row ``r`` takes patch slot
+``patch_index[hook, r]`` of ``patch_values``/``patch_alpha`` (slot 0: unpatched) and steering row
 ``steer_index[r]``, and is read into row ``read_slot[r]`` of ``read_out[hook]`` (-1: not read) when
 ``read_flags[hook]`` is set. ``read_out`` holds ``--max-graph-capture-rows`` rows; a step reading more runs
 eagerly.
-
-Run eagerly (a step no graph holds: prefill chunks, or one reading more rows than the buffers do), the op acts
-on what the runner planned for the step in ``STEP``: the patched rows, the sites anything is steered at, the
-rows to read. A site the step leaves alone returns before any tensor call. On a GPU, a site it steers or reads
-launches the same kernel as a replay, with a zero index standing in for the parts the step leaves alone at
-that site, and reads into the graph read buffers the runner armed: one launch instead of a gather, an add and
-two more for a read, each a torch call that gives up the interpreter lock on a forward thread other threads
-wait to take it from. Otherwise (the CPU, or reads the buffers cannot hold) it gathers and adds with torch ops
-and hands the rows read back as new tensors in ``STEP.reads.out``.
 
 The stream is given as vLLM carries it: one tensor, or the deferred ``(hidden_states, residual)`` pair whose
 sum is the true stream; steering adds to ``residual`` when there is one (the layer's later fused add+norm
@@ -50,9 +43,7 @@ class StepReads:
 
     rows: torch.Tensor  # [num_rows] token row of each read slot
     sites: frozenset[tuple[int, int]]  # (layer, hook index)
-    armed: bool = False  # the rows are armed in the graph read buffers (read slot k: row k of ``read_out``)
     out: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # site -> [num_rows, hidden]
-    eager: bool = False  # set by the op when it read eagerly (into ``out``, or through the kernel when armed)
 
 
 # (layer, hook) -> (token rows, source values [rows, hidden], alphas [rows]) of one step's patches.
@@ -69,9 +60,6 @@ class StepState:
     # table row a token can take is zeros elsewhere).
     steer: frozenset[tuple[int, int]] = frozenset()
     patch: StepPatches | None = None
-    # Set on a GPU when the step's reads, if any, are armed in the graph read buffers: eager sites launch the
-    # graphs' kernel, with this all-zero ``[max_tokens]`` index for the parts a site leaves alone.
-    kernel_zero_index: torch.Tensor | None = None
 
 
 STEP = StepState()
@@ -123,8 +111,16 @@ def _site(
 ) -> None:
     if _capturing(hidden):
         flat_hidden, flat_residual = _flat(hidden, residual)
-        _launch(flat_hidden, flat_residual, steer_index, steer_table, patch_index[hook], patch_values, patch_alpha,
-                read_slot, read_flags, read_out, hook, hidden_in_use)
+        # One-row tables (steering, patch values) and a zero-row read buffer mean the feature is off on this
+        # engine: the kernel is built without it, and with nothing on, not launched at all.
+        patching, steering, reading = patch_values.shape[0] > 1, steer_table.shape[1] > 1, read_out.shape[1] > 0
+        if patching or steering or reading:
+            from vllm_interp.models.site_kernel import site_in_graph
+
+            tokens = flat_hidden.shape[0]
+            site_in_graph(flat_hidden, flat_residual, steer_index, steer_table[hook] if steering else None,
+                          patch_index[hook, :tokens] if patching else None, patch_values, patch_alpha,
+                          read_slot if reading else None, read_flags[hook : hook + 1], read_out[hook], hidden_in_use)
         return
     # Eagerly: decided from the step's plan before any tensor call (each gives up the interpreter lock), so a
     # site the step leaves alone costs a few dictionary and set lookups.
@@ -138,16 +134,6 @@ def _site(
     flat_hidden, flat_residual = _flat(hidden, residual)
     if planned is not None:
         _write_rows(flat_hidden, flat_residual, *planned, hidden_in_use)
-    zeros = STEP.kernel_zero_index
-    if zeros is not None:
-        if steered or read:
-            # The graphs' kernel variant (nothing new to compile): patches are written above, and a site not
-            # read has its read flag clear.
-            _launch(flat_hidden, flat_residual, steer_index if steered else zeros, steer_table, zeros, patch_values,
-                    patch_alpha, read_slot, read_flags, read_out, hook, hidden_in_use)
-            if read:
-                reads.eager = True
-        return
     target = flat_hidden if residual is None else flat_residual
     if steered:
         target.add_(steer_table[hook].index_select(0, steer_index[: target.shape[0]]))
@@ -157,24 +143,6 @@ def _site(
     if flat_residual is not None:
         picked.add_(flat_residual.index_select(0, reads.rows))
     reads.out[site] = picked
-    reads.eager = True
-
-
-def _launch(hidden: torch.Tensor, residual: torch.Tensor | None, steer_index: torch.Tensor,
-            steer_table: torch.Tensor, patch_slots: torch.Tensor, patch_values: torch.Tensor,
-            patch_alpha: torch.Tensor, read_slot: torch.Tensor, read_flags: torch.Tensor, read_out: torch.Tensor,
-            hook: int, hidden_in_use: bool) -> None:
-    """The site kernel over the flat stream, built with the parts this engine enables (``patch_slots``: each
-    row's patch slot at this hook)."""
-    # One-row tables (steering, patch values) and a zero-row read buffer mean the feature is off on this
-    # engine: the kernel is built without it, and with nothing on, not launched at all.
-    patching, steering, reading = patch_values.shape[0] > 1, steer_table.shape[1] > 1, read_out.shape[1] > 0
-    if patching or steering or reading:
-        from vllm_interp.models.site_kernel import site_in_graph
-
-        site_in_graph(hidden, residual, steer_index, steer_table[hook] if steering else None,
-                      patch_slots if patching else None, patch_values, patch_alpha,
-                      read_slot if reading else None, read_flags[hook : hook + 1], read_out[hook], hidden_in_use)
 
 
 def _site_fake(hidden, residual, steer_index, steer_table, patch_index, patch_values, patch_alpha, read_slot,

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 from vllm_interp.capture.store import CaptureStore
 from vllm_interp.models.site_ops import STEP, StepPatches, StepReads
@@ -27,7 +26,6 @@ class StepPlan:
     patch: StepPatches | None
     reads: ReadPlan
     site_reads: StepReads | None  # what the site op reads (None: this step reads nothing)
-    kernel_zero_index: torch.Tensor | None  # set: eager sites launch the site kernel (``StepState``)
 
 
 class InterpSteps:
@@ -68,12 +66,8 @@ class InterpSteps:
         # Patching and capture act on a few requests of a large batch: only theirs get planned.
         patch = None if patching is None else patching.plan(layout.slices(only=patching.patched_ids))
         reads = self.interp_store.plan_reads(layout)
-        site_reads = self.interp_store.site_reads(reads, self.device)
-        # On a GPU the eager sites of a step launch the graphs' kernel, unless it reads more rows than the graph
-        # read buffers hold.
-        zeros = self.interp_store.bank.zero_index
-        kernel = zeros is not None and (site_reads is None or site_reads.armed)
-        self._interp_step = StepPlan(steer, patch, reads, site_reads, zeros if kernel else None)
+        self._interp_step = StepPlan(steer, patch, reads, self.interp_store.site_reads(reads, self.device,
+                                                                                          layout.total_tokens))
 
     def _plan_steering(self, layout: BatchLayout) -> frozenset[tuple[int, int]]:
         tables = self.interp_steering
@@ -88,12 +82,11 @@ class InterpSteps:
         step = self._interp_step
         if step is not None:
             STEP.steer, STEP.patch, STEP.reads = step.steer, step.patch, step.site_reads
-            STEP.kernel_zero_index = step.kernel_zero_index
 
     def _interp_retire(self) -> StepPlan | None:
         """After the forward, or its failure: the site op forgets the step; returns it for ``_interp_collect``."""
         step, self._interp_step = self._interp_step, None
-        STEP.reads, STEP.steer, STEP.patch, STEP.kernel_zero_index = None, frozenset(), None, None
+        STEP.reads, STEP.steer, STEP.patch = None, frozenset(), None
         return step
 
     def _interp_collect(self, step: StepPlan | None) -> None:
