@@ -79,7 +79,7 @@ def test_vllm_compile_key_ignores_what_is_read_at_run_time():
     base = InterpConfig(enable_steering=True, capture_consumers=("filesystem:root=/tmp/a",))
     runtime_only = InterpConfig(enable_steering=True, capture_consumers=("filesystem:root=/tmp/b", "inline"),
                                 capture_overload_policy="drop", saes=("s=/tmp/sae",), patch_source_bytes=1 << 20,
-                                capture_global='{"inline": {}}')
+                                capture_global='{"inline": {}}', engine_switch_interval_ms=0.5)
     assert key(base) == key(runtime_only)
     assert key(base) != key(InterpConfig(enable_steering=True, max_steering_configs=2,
                                          capture_consumers=("filesystem:root=/tmp/a",)))
@@ -90,3 +90,20 @@ def test_vllm_compile_key_ignores_what_is_read_at_run_time():
                                          capture_consumers=("filesystem:root=/tmp/a",)))
     assert key(InterpConfig(enable_steering=True)) == key(InterpConfig(enable_steering=True, max_graph_capture_rows=8))
     assert key(InterpConfig(enable_steering=True)) != key(base)
+
+
+def test_the_engine_switch_interval_is_set_in_the_workers_process_when_given():
+    import sys
+
+    from vllm_interp.engine.v0_26.worker import apply_switch_interval
+
+    before = sys.getswitchinterval()
+    try:
+        apply_switch_interval(InterpConfig())
+        assert sys.getswitchinterval() == before
+        apply_switch_interval(InterpConfig(engine_switch_interval_ms=0.5))
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+    finally:
+        sys.setswitchinterval(before)
+    with pytest.raises(ValueError, match="engine_switch_interval_ms must be within 0-1000, got -1"):
+        InterpConfig(engine_switch_interval_ms=-1)

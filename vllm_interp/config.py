@@ -64,6 +64,10 @@ class InterpConfig:
     # A capture spec (JSON) applied to every request, besides the request's own.
     capture_global: str = ""
     capture_overload_policy: str = "block"
+    # The engine processes' interpreter switch interval (``sys.setswitchinterval``), in ms; 0: Python's default
+    # (5 ms). A forward thread that gives up the interpreter lock for a torch or CUDA call takes it back from a
+    # consumer thread that holds it after at most this long.
+    engine_switch_interval_ms: float = 0.0
     # `--sae NAME=DIR` flags: sparse autoencoders for feature steering and the sae_features consumer.
     saes: tuple[str, ...] = ()
     package_version: str = ""
@@ -78,6 +82,8 @@ class InterpConfig:
         for name, value in (("max_patch_rows", self.max_patch_rows), ("patch_source_bytes", self.patch_source_bytes)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if not 0 <= self.engine_switch_interval_ms <= 1000:
+            raise ValueError(f"engine_switch_interval_ms must be within 0-1000, got {self.engine_switch_interval_ms}")
         if self.max_graph_capture_rows < 0:
             raise ValueError(f"max_graph_capture_rows must be >= 0, got {self.max_graph_capture_rows}")
         names = [parse_sae_flag(flag)[0] for flag in self.saes]

@@ -73,6 +73,7 @@ class LLM(vllm.LLM):
         capture_consumers: Sequence[str] = ("inline",),
         capture_global: dict[str, Any] | None = None,
         capture_overload_policy: str = "block",
+        engine_switch_interval_ms: float = 0.0,
         enable_steering: bool = False,
         max_steering_configs: int = DEFAULT_MAX_STEERING_CONFIGS,
         enable_patching: bool = False,
@@ -95,6 +96,7 @@ class LLM(vllm.LLM):
             capture_consumers=tuple(capture_consumers),
             capture_global=json.dumps(capture_global) if capture_global else "",
             capture_overload_policy=capture_overload_policy,
+            engine_switch_interval_ms=engine_switch_interval_ms,
             saes=tuple(f"{name}={directory}" for name, directory in (saes or {}).items()),
         )
         if self.interp_config.hooks_needed:

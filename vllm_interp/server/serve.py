@@ -93,6 +93,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     group.add_argument("--capture-overload-policy", choices=OVERLOAD_POLICIES, default="block",
                        help="What a consumer whose queue is full does with more rows: wait (block), drop them "
                        "(reported in the request's result) or park them on disk (spill).")
+    group.add_argument("--engine-switch-interval-ms", type=float, default=0.0,
+                       help="The engine processes' Python switch interval (sys.setswitchinterval), in ms: how long "
+                       "the forward thread may wait to take the interpreter lock back from a capture consumer's "
+                       "thread after a torch or CUDA call. 0: Python's default (5 ms).")
     group.add_argument("--max-capture-bytes-per-request", type=int, default=DEFAULT_MAX_CAPTURE_BYTES_PER_REQUEST,
                        help="Worst-case bytes of the rows one request's capture may select (positions x sites x "
                        "hidden x 4, all consumers together); larger specs are refused with a 400.")
@@ -118,6 +122,7 @@ def serve(command, args: argparse.Namespace) -> None:
         capture_consumers=tuple(args.capture_consumers),
         capture_global=args.capture_global,
         capture_overload_policy=args.capture_overload_policy,
+        engine_switch_interval_ms=args.engine_switch_interval_ms,
         saes=tuple(args.sae),
     )
     if config.hooks_needed:

@@ -8,6 +8,7 @@ the installed vLLM.
 """
 
 import json
+import sys
 from typing import Any
 
 from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
@@ -44,6 +45,12 @@ TOUCHPOINTS = (
 )
 
 
+def apply_switch_interval(config: InterpConfig) -> None:
+    """``--engine-switch-interval-ms`` in this worker's process (0 leaves Python's own)."""
+    if config.engine_switch_interval_ms:
+        sys.setswitchinterval(config.engine_switch_interval_ms / 1000)
+
+
 class InterpWorkerMixin:
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         check_vllm_version()
@@ -51,6 +58,7 @@ class InterpWorkerMixin:
         check_touchpoints((*TOUCHPOINTS, *runner_hooks.touchpoints, *request_ids.TOUCHPOINTS))
         super().load_model(*args, **kwargs)
         config = InterpConfig.from_additional_config(self.vllm_config.additional_config) or InterpConfig()
+        apply_switch_interval(config)
         runner = self.model_runner
         model_config = self.vllm_config.model_config
         steer_rows = table_rows(config.max_steering_configs) if config.enable_steering else 1
