@@ -21,7 +21,8 @@
 - The site op's eager body at every site of an 8,192-token prefill step, per call: idle, and reading a row per
   request finishing its prompt (``--device cuda``: the stream on the GPU, launches included).
 - A forward-like loop beside an ``inline`` consumer's runner thread busy with 32 requests: the interpreter
-  lock's handoffs, with the forward gate open and closed (``capture.dispatch.FORWARD``).
+  lock's handoffs, with the forward gate open and closed (``capture.dispatch.FORWARD``), at Python's default
+  switch interval and at 0.5 ms (``--engine-switch-interval-ms``).
 - Every-token capture of ``--requests`` requests at ``post_block`` of every layer to ``logging`` (packed), and
   to a sink that takes them in parts of 8 MiB and keeps nothing, on a CPU engine: the forward thread's capture
   work per decode step, and the time to every result when they all end together.
