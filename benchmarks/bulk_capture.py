@@ -5,6 +5,7 @@ requests that capture nothing.
         [--max-tokens 256] [--rounds 2] [--warmup-rounds 1] [--isolation process|thread]
         [--phases plain,logging_packed,...]
         [--py-spy PATH] [--torch-profile] [--profile-steps 30:40] [--disk-mb 2048] [--disk-only]
+        [--switch-intervals-ms 5,0.5]
         [--server-arg=--enforce-eager ...]
 
 One server with the ``logging`` consumer and the ``filesystem`` consumer (``layout=sharded``), each where it
@@ -30,6 +31,11 @@ time on a CPU and waiting for one in each phase (Linux's scheduler statistics: a
 blocked, on a lock, the device or I/O), and, on the capture root's disk, the rate of the sink's own shard writer
 against a plain sequential write of the same bytes (A B A B, each synced to disk); ``--disk-only`` measures only
 that, without a server.
+
+``--switch-intervals-ms A,B,...`` runs every round once at each of these Python switch intervals in the engine's
+process (set on the running server between the runs, through the worker's ``interp_switch_interval``; the
+intervals in reverse order in odd rounds), each with its own ``plain``: the report's ratios and medians are per
+interval, so drift falls on each alike.
 
 ``--py-spy PATH`` (a py-spy binary) samples every thread of the server's processes (the API server, the engine
 core, a consumer's own process) during each phase, plain included, idle time included (``--py-spy-gil``
@@ -91,6 +97,11 @@ class Phase:
     stats: RunStats
     captured_bytes: int = 0  # rows x hidden x dtype size of every capturing request
     steps: dict[str, int] | None = None  # how its capturing steps read (``capture_steps``), during the phase
+    interval_ms: float | None = None  # the engine's switch interval over the phase (``--switch-intervals-ms``)
+
+    @property
+    def label(self) -> str:
+        return self.name if self.interval_ms is None else f"{self.name} @ {self.interval_ms:g} ms"
 
 
 def round_order(names: list[str], round_index: int) -> list[str]:
@@ -128,13 +139,18 @@ class RssWatch(threading.Thread):
                 self.peak[name] = max(self.peak.get(name, 0.0), mb)
 
 
-def capture_steps(url: str) -> dict[str, int]:
-    """The worker's counts of capturing steps so far (rank 0's: every rank reads the same rows)."""
-    body = json.dumps({"method": "interp_capture_steps"}).encode()
+def worker_call(url: str, method: str, **kwargs: Any) -> Any:
+    """Rank 0's answer to one of the worker's ``interp_*`` methods, through vLLM's dev-mode ``/collective_rpc``."""
+    body = json.dumps({"method": method, "kwargs": kwargs}).encode()
     request = urllib.request.Request(f"{url}/collective_rpc", data=body, headers={"Content-Type": "application/json"},
                                      method="POST")
     with urllib.request.urlopen(request, timeout=60) as response:
         return json.loads(response.read())["results"][0]
+
+
+def capture_steps(url: str) -> dict[str, int]:
+    """The worker's counts of capturing steps so far (rank 0's: every rank reads the same rows)."""
+    return worker_call(url, "interp_capture_steps")
 
 
 def dtype_size(config: dict[str, Any], server_args: list[str]) -> int:
@@ -189,7 +205,9 @@ def report(args: argparse.Namespace, phases: list[Phase], rates: list[tuple[floa
              f"(`layout=sharded,queue_mb={args.sink_queue_mb}`), isolation {args.isolation or 'each its default'}",
              f"- Server args: `{' '.join(args.server_arg)}`; started {started}; {wall_s:.0f} s",
              "- `plain` first in every round, then the bursts in the order listed in even rounds and in reverse in odd "
-             "ones (a burst's `plain_after` right after it)", "",
+             "ones (a burst's `plain_after` right after it)"
+             + (f"; each round at engine switch intervals {args.switch_intervals_ms} ms, in reverse order in odd "
+                "rounds, each with its own `plain`" if args.switch_intervals_ms else ""), "",
              "(last gap: the median wait for a stream's last text chunk, which a capturing stream holds until the "
              "request's capture results come; TPOT includes it. Results wait / prepare: the server's mean per "
              "capturing request, from vLLM's last output to the results reaching the API server, then their "
@@ -200,18 +218,19 @@ def report(args: argparse.Namespace, phases: list[Phase], rates: list[tuple[floa
              "|" + "---|" * 14]
     summary: dict[str, list[tuple[float | None, ...]]] = {}
     for phase in phases:  # warm-up rounds (negative) are listed, not summarised
-        base = next(p.stats for p in phases if p.round_index == phase.round_index and p.name == "plain")
+        base = next(p.stats for p in phases if p.round_index == phase.round_index and p.name == "plain"
+                    and p.interval_ms == phase.interval_ms)
         s = phase.stats
         ratios = (ratio(s.throughput(), base.throughput()), ratio(s.tpot_ms(), base.tpot_ms()),
                   ratio(s.ttft_ms(), base.ttft_ms()))
         if phase.round_index >= 0:
-            summary.setdefault(phase.name, []).append(ratios)
+            summary.setdefault(phase.label, []).append(ratios)
         captured = phase.captured_bytes / 1e6
         sink = f"{captured:.0f} | {captured / s.wall_s:.0f}" if captured else "- | -"
         results = " / ".join(fmt(s.engine_ms.get(label)) for label in RESULTS_METRICS)
         steps = " / ".join(str(phase.steps[k]) for k in ("graph", "eager", "steady")) if phase.steps else "-"
         label = phase.round_index if phase.round_index >= 0 else "warm-up"
-        lines.append(f"| {label} | {phase.name} | {fmt(s.ttft_ms())} | {fmt(s.tpot_ms(), 2)} | "
+        lines.append(f"| {label} | {phase.label} | {fmt(s.ttft_ms())} | {fmt(s.tpot_ms(), 2)} | "
                      f"{fmt(s.last_gap_ms())} | {results} | {s.throughput():.0f} | "
                      + " | ".join(fmt(r, 3) for r in ratios)
                      + f" | {sink} | {steps} | {s.errors} |")
@@ -237,9 +256,13 @@ def sink_against_disk(phases: list[Phase], rates: list[tuple[float, float]]) -> 
     if not sinks or not rates:
         return []
     plain = statistics.median(rate for _, rate in rates)
-    shares = [p.captured_bytes / 1e6 / p.stats.wall_s / plain for p in sinks]
-    return ["", f"The sink while serving against the median plain write ({plain:.0f} MB/s): "
-            + ", ".join(f"{share:.2f}" for share in shares) + f" by round; median {statistics.median(shares):.2f}."]
+    lines = []
+    for label in dict.fromkeys(p.label for p in sinks):
+        shares = [p.captured_bytes / 1e6 / p.stats.wall_s / plain for p in sinks if p.label == label]
+        lines += ["", f"`{label}` while serving against the median plain write ({plain:.0f} MB/s): "
+                  + ", ".join(f"{share:.2f}" for share in shares)
+                  + f" by round; median {statistics.median(shares):.2f}."]
+    return lines
 
 
 def threads_section(phases: list[Phase], shown: int = 8) -> list[str]:
@@ -252,8 +275,8 @@ def threads_section(phases: list[Phase], shown: int = 8) -> list[str]:
              "the rest of the phase's wall a thread was blocked or idle; `/proc/<pid>/task/<tid>/schedstat`):", "",
              "| phase | wall ms | thread (threads of that name) | on a CPU ms | waiting for a CPU ms |",
              "|---|---|---|---|---|"]
-    for name in dict.fromkeys(p.name for p in measured):
-        rounds = [p for p in measured if p.name == name]
+    for name in dict.fromkeys(p.label for p in measured):
+        rounds = [p for p in measured if p.label == name]
         wall = statistics.median(p.stats.wall_s * 1e3 for p in rounds)
         by_label = {label: [p.stats.threads.get(label, (0, 0.0, 0.0)) for p in rounds]
                     for label in {label for p in rounds for label in p.stats.threads}}
@@ -291,6 +314,8 @@ def main() -> None:
     parser.add_argument("--server-arg", action="append", default=[], help="passed to the server (repeatable)")
     parser.add_argument("--start-timeout", type=float, default=600)
     parser.add_argument("--phases", default=",".join(PHASES), help="which of the phases to run (plain always)")
+    parser.add_argument("--switch-intervals-ms", default="",
+                        help="run every round at each of these engine switch intervals (ms, comma-separated)")
     parser.add_argument("--py-spy", default=None, help="py-spy binary: sample the server's processes in every phase")
     parser.add_argument("--py-spy-gil", action="store_true", help="--py-spy: only threads holding the GIL")
     parser.add_argument("--torch-profile", action="store_true", help="device time per step of each phase, by kernel")
@@ -304,6 +329,7 @@ def main() -> None:
     if unknown:
         parser.error(f"--phases: unknown {sorted(unknown)} (known: {', '.join(PHASES)})")
     phase_names = [name for name in PHASES if name == "plain" or name in asked]
+    intervals: list[float | None] = [float(ms) for ms in args.switch_intervals_ms.split(",") if ms] or [None]
     config = json.loads((Path(args.model) / "config.json").read_text())
     layers, hidden, vocab = config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]
     itemsize = dtype_size(config, args.server_arg)
@@ -347,12 +373,18 @@ def main() -> None:
                     "ignore_eos": True, "stream": True, **fields}
 
         run_requests(url, [body(None) for _ in range(2)], 2)  # one-off costs of the first requests
-        for round_index in range(-args.warmup_rounds, args.rounds):
+        for round_index, interval in (
+                (r, interval) for r in range(-args.warmup_rounds, args.rounds)
+                for interval in (intervals if r % 2 == 0 else intervals[::-1])):
+            if interval is not None:
+                now = worker_call(url, "interp_switch_interval", ms=interval)
+                print(f"round {round_index}: the engine's switch interval is {now:g} ms", flush=True)
             for name in round_order(phase_names, round_index):
                 capture = CAPTURES.get(name)
                 bodies = [body(capture) for _ in range(args.requests)]
+                tag = name if interval is None else f"{name}-{interval:g}ms"
                 if sampler:
-                    sampler.start(f"{round_index}-{name}")
+                    sampler.start(f"{round_index}-{tag}")
                 if args.torch_profile:
                     since = time.time()
                     step_profile.post(url, "/start_profile")
@@ -364,11 +396,11 @@ def main() -> None:
                 if args.torch_profile:
                     step_profile.post(url, "/stop_profile")
                     profile_sections.append(step_profile.summarise(step_profile.traces_since(profiles, since),
-                                                                   f"round {round_index} {name}", window))
+                                                                   f"round {round_index} {tag}", window))
                 # Every position but the last generated one goes through the model, at every layer.
                 rows = len(stats.ok) * (args.prompt_tokens + args.max_tokens - 1) * layers if capture else 0
-                phases.append(Phase(round_index, name, stats, rows * hidden * itemsize, steps))
-                print(f"round {round_index} {name}: ttft {fmt(stats.ttft_ms())} ms tpot {fmt(stats.tpot_ms(), 2)} ms "
+                phases.append(Phase(round_index, name, stats, rows * hidden * itemsize, steps, interval))
+                print(f"round {round_index} {tag}: ttft {fmt(stats.ttft_ms())} ms tpot {fmt(stats.tpot_ms(), 2)} ms "
                       f"last gap {fmt(stats.last_gap_ms())} ms "
                       f"{stats.throughput():.0f} tok/s errors {stats.errors} capturing steps {steps}", flush=True)
                 for error in sorted({s.error for s in stats.samples if s.error is not None}):

@@ -3,7 +3,7 @@
     python -m benchmarks.serve MODEL --out FILE.md [--concurrency 128] [--prompt-tokens 512]
         [--max-tokens 512] [--rounds 2] [--workloads idle,steer_distinct,...] [--pin-cpus]
         [--torch-profile capture_inline,...] [--torch-profile-stack] [--py-spy PATH]
-        [--server-arg=--enforce-eager ...]
+        [--switch-intervals-ms 5,0.5] [--server-arg=--enforce-eager ...]
 
 Both servers start once, side by side, each with its engine core in its own process (how users run them):
 plain `vllm serve` and `vllm-interp serve`, both on the model runner vLLM picks (V2 for dense models on GPUs;
@@ -21,6 +21,10 @@ that waits for a CPU (taken by the clients or the API servers) makes that run sl
 its torch profiler over the wave's first steps (``benchmarks/step_profile.py``): where a feature's prefill
 steps spend their time on the device and in the forward thread's CUDA calls, against plain vLLM's;
 ``--torch-profile-stack`` records Python calls there too (the traces stay under ``WORKDIR/profiles``).
+``--switch-intervals-ms A,B,...`` runs B once at each of these Python switch intervals in vllm-interp's engine
+process (set on the running server before each run, through the worker's ``interp_switch_interval``; dev-mode
+``/collective_rpc``), against the same A: each workload's rows then read ``NAME @ MS ms``, and a round runs
+A then each interval in even rounds, the reverse in odd ones.
 ``--py-spy PATH`` (a py-spy binary) samples the server of every run of A and B at 200 Hz, idle time included, into
 ``WORKDIR/py-spy/py-spy-<round>-<workload>-<A|B>.txt`` (collapsed stacks per thread; ``--py-spy-gil`` instead:
 only the thread holding each process's interpreter lock at each sample).
@@ -268,6 +272,7 @@ class Bench:
     client_cpus: set[int] | None = None  # ``--pin-cpus``: where the clients run
     py_spy: str | None = None  # ``--py-spy``: the binary that samples each run's server
     py_spy_gil: bool = False  # ``--py-spy-gil``: only the threads holding the interpreter lock
+    intervals: list[float] = field(default_factory=list)  # ``--switch-intervals-ms``: B's engine switch intervals
     # (round, workload, plain A, vllm-interp B, vllm-lens C or None)
     pairs: list[tuple[int, str, RunStats, RunStats, RunStats | None]] = field(default_factory=list)
 
@@ -376,20 +381,35 @@ class Bench:
                                                    "tag": SOURCE_RUN}}}
             post(self.interp_url, "/v1/completions", source)
         try:
-            runs = {"A": (self.plain_url, lambda i: {}), "B": (self.interp_url, fields)}
-            stats = {server: self.run(runs[server][0], prompts, stream, concurrency, runs[server][1],
-                                      sample_as=f"{round_index}-{name}-{server}")
-                     for server in ("AB" if round_index % 2 == 0 else "BA")}
-            baseline, feature = stats["A"], stats["B"]
+            # The feature runs: B once, or once at each ``--switch-intervals-ms`` interval.
+            intervals = self.intervals or [None]
+            runs = ["A", *intervals]
+            stats = {}
+            for run in (runs if round_index % 2 == 0 else runs[::-1]):
+                if run == "A":
+                    stats[run] = self.run(self.plain_url, prompts, stream, concurrency,
+                                          sample_as=f"{round_index}-{name}-A")
+                    continue
+                suffix = "" if run is None else f"-{run:g}ms"
+                if run is not None:
+                    post(self.interp_url, "/collective_rpc",
+                         {"method": "interp_switch_interval", "kwargs": {"ms": run}})
+                stats[run] = self.run(self.interp_url, prompts, stream, concurrency, fields,
+                                      sample_as=f"{round_index}-{name}-B{suffix}")
         finally:
             if name == "steer_global":
                 post(self.interp_url, "/v1/steering/clear", {})
         peer = None
         if self.lens_url is not None and (lens_fields := self.lens_workload(name, seed)) is not None:
             peer = self.run(self.lens_url, prompts, stream, concurrency, lens_fields)
-        self.pairs.append((round_index, name, baseline, feature, peer))
-        print(f"round {round_index} {name}: {describe(baseline)} | {describe(feature)}"
-              + (f" | vllm-lens {describe(peer)}" if peer is not None else ""), flush=True)
+        baseline = stats["A"]
+        for interval in intervals:
+            label = name if interval is None else f"{name} @ {interval:g} ms"
+            # The peer's run is compared once, on the first label, not repeated per interval.
+            shown_peer = peer if interval == intervals[0] else None
+            self.pairs.append((round_index, label, baseline, stats[interval], shown_peer))
+            print(f"round {round_index} {label}: {describe(baseline)} | {describe(stats[interval])}"
+                  + (f" | vllm-lens {describe(peer)}" if peer is not None else ""), flush=True)
 
 
 def describe(stats: RunStats) -> str:
@@ -537,6 +557,8 @@ def main() -> None:
     parser.add_argument("--py-spy", default=None,
                         help="py-spy binary: sample each run's server (all its processes and threads, idle included)")
     parser.add_argument("--py-spy-gil", action="store_true", help="--py-spy: only threads holding the GIL")
+    parser.add_argument("--switch-intervals-ms", default="",
+                        help="run B at each of these engine switch intervals (ms, comma-separated), against one A")
     parser.add_argument("--peer-site", default=None,
                         help="directory holding vllm-lens and its dependencies: adds vllm-lens's server (C)")
     args = parser.parse_args()
@@ -567,8 +589,10 @@ def main() -> None:
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     began = time.monotonic()
     plain_url, plain = launch_server([*common, *profiling("plain")], workdir / "plain.log", plain_env, VLLM_MODULE)
+    intervals = [float(ms) for ms in args.switch_intervals_ms.split(",") if ms]
+    dev_mode = {"VLLM_SERVER_DEV_MODE": "1"} if intervals else {}  # /collective_rpc sets the interval
     interp_url, interp = launch_server([*common, *interp_args, *profiling("interp")], workdir / "interp.log",
-                                       {**os.environ, **runner_env}, VLLM_INTERP_MODULE)
+                                       {**os.environ, **runner_env, **dev_mode}, VLLM_INTERP_MODULE)
     servers = {"plain": (plain_url, plain), "interp": (interp_url, interp)}
     if args.peer_site:
         servers["lens"] = launch_server(common, workdir / "lens.log", lens_env, VLLM_MODULE)
@@ -585,7 +609,7 @@ def main() -> None:
         bench = Bench(args, plain_url, interp_url, config["num_hidden_layers"], config["hidden_size"],
                       config["vocab_size"], lens_url=servers["lens"][0] if "lens" in servers else None,
                       pids={url: process.pid for url, process in servers.values()},
-                      client_cpus=client_cpus, py_spy=args.py_spy, py_spy_gil=args.py_spy_gil)
+                      client_cpus=client_cpus, py_spy=args.py_spy, py_spy_gil=args.py_spy_gil, intervals=intervals)
         warm_up = [bench.body(p) for p in bench.prompts(99, 2)]  # first requests pay one-off costs; not reported
         for url, _ in servers.values():
             run_requests(url, warm_up, 2)

@@ -107,3 +107,19 @@ def test_the_engine_switch_interval_is_set_in_the_workers_process_when_given():
         sys.setswitchinterval(before)
     with pytest.raises(ValueError, match="engine_switch_interval_ms must be within 0-1000, got -1"):
         InterpConfig(engine_switch_interval_ms=-1)
+
+
+def test_the_worker_reports_and_sets_the_switch_interval_at_run_time():
+    import sys
+
+    from vllm_interp.engine.v0_26.worker import InterpWorkerMixin
+
+    before = sys.getswitchinterval()
+    try:
+        assert InterpWorkerMixin.interp_switch_interval(None) == pytest.approx(before * 1000)
+        assert InterpWorkerMixin.interp_switch_interval(None, 0.5) == pytest.approx(0.5)
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+        with pytest.raises(ValueError, match=r"within \(0, 1000\] ms, got 0"):
+            InterpWorkerMixin.interp_switch_interval(None, 0)
+    finally:
+        sys.setswitchinterval(before)

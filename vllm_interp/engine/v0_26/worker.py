@@ -118,6 +118,15 @@ class InterpWorkerMixin:
         of these were a steady batch's (planned and collected for the batch as a whole)."""
         return dict(self.model_runner.interp_store.read_steps)
 
+    def interp_switch_interval(self, ms: float | None = None) -> float:
+        """Python's switch interval in this worker's process, in ms, after setting it to ``ms`` where given: the
+        serving benchmarks compare intervals on one running server, round by round."""
+        if ms is not None:
+            if not 0 < ms <= 1000:
+                raise ValueError(f"switch interval must be within (0, 1000] ms, got {ms}")
+            sys.setswitchinterval(ms / 1000)
+        return sys.getswitchinterval() * 1000
+
     def interp_set_global_steering(self, wire: dict[str, Any]) -> None:
         tables = self.model_runner.interp_steering
         if tables is None:
