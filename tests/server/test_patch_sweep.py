@@ -94,12 +94,14 @@ def test_bad_sweeps_get_400_naming_the_field(server, body, param):
 
 def test_a_source_deleted_during_a_sweep_fails_the_cells_left_never_patches_them_wrongly(open_server):
     url = open_server
-    capture = {"patch_source": {"hooks": {"post_block": "all"}, "positions": "all_prompt", "tag": "doomed"}}
+    # Every hook: 450 cells, admitted two at a time (the server's --max-num-seqs), so that many are still
+    # waiting when the delete lands after the first cell's event (150 could all be admitted first on a slow host).
+    capture = {"patch_source": {"hooks": "all", "positions": "all_prompt", "tag": "doomed"}}
     assert requests.post(f"{url}/v1/completions", json={"prompt": CLEAN, "max_tokens": 1, "capture": capture},
                          timeout=60).ok
-    body = {"prompt": CORRUPT, "source_run": "doomed", "hook": "post_block", "answer_token": " Paris",
-            "metric": "logprob"}
-    reference = requests.post(f"{url}/v1/patch_sweep", json=body, timeout=300).json()["grids"]["post_block"]
+    hooks = ["pre_attn", "post_attn", "post_block"]
+    body = {"prompt": CORRUPT, "source_run": "doomed", "hooks": hooks, "answer_token": " Paris", "metric": "logprob"}
+    reference = requests.post(f"{url}/v1/patch_sweep", json=body, timeout=300).json()["grids"]
     cells, deleted = [], False
     with requests.post(f"{url}/v1/patch_sweep", json={**body, "stream": True}, stream=True, timeout=300) as reply:
         kind = None
@@ -111,10 +113,10 @@ def test_a_source_deleted_during_a_sweep_fails_the_cells_left_never_patches_them
                 if not deleted:
                     assert requests.delete(f"{url}/v1/patch_sources/doomed", timeout=60).status_code == 200
                     deleted = True
-    assert len(cells) == 150
+    assert len(cells) == 3 * 150
     failed = [c for c in cells if "error" in c]
     assert failed and all("no longer holds" in c["error"] for c in failed)
     for cell in cells:  # every cell is an error or the value it has with the run in place
         if "error" not in cell:
             assert cell["answer_logprob"] == pytest.approx(
-                reference["answer_logprob"][cell["layer"]][cell["position"]], abs=1e-5)
+                reference[cell["hook"]]["answer_logprob"][cell["layer"]][cell["position"]], abs=1e-5)
