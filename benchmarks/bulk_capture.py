@@ -378,7 +378,7 @@ def main() -> None:
                 for interval in (intervals if r % 2 == 0 else intervals[::-1])):
             if interval is not None:
                 now = worker_call(url, "interp_switch_interval", ms=interval)
-                print(f"round {round_index}: the engine's switch interval is {now:g} ms", flush=True)
+                print(f"round {round_index}: the engine's switch interval is {now} ms", flush=True)
             for name in round_order(phase_names, round_index):
                 capture = CAPTURES.get(name)
                 bodies = [body(capture) for _ in range(args.requests)]
