@@ -24,7 +24,8 @@ steps spend their time on the device and in the forward thread's CUDA calls, aga
 ``--switch-intervals-ms A,B,...`` runs B once at each of these Python switch intervals in vllm-interp's engine
 process (set on the running server before each run, through the worker's ``interp_switch_interval``; dev-mode
 ``/collective_rpc``), against the same A: each workload's rows then read ``NAME @ MS ms``, and a round runs
-A then each interval in even rounds, the reverse in odd ones.
+A then each interval in even rounds, the reverse in odd ones. B's prefix cache is reset before each of its runs
+(dev-mode ``/reset_prefix_cache``): they share their prompts, and a second run would be served the first's blocks.
 ``--py-spy PATH`` (a py-spy binary) samples the server of every run of A and B at 200 Hz, idle time included, into
 ``WORKDIR/py-spy/py-spy-<round>-<workload>-<A|B>.txt`` (collapsed stacks per thread; ``--py-spy-gil`` instead:
 only the thread holding each process's interpreter lock at each sample).
@@ -394,6 +395,9 @@ class Bench:
                 if run is not None:
                     post(self.interp_url, "/collective_rpc",
                          {"method": "interp_switch_interval", "kwargs": {"ms": run}})
+                    # B's runs of a pair share their prompts: a second one would find the first's blocks cached.
+                    if not post(self.interp_url, "/reset_prefix_cache", {}).get("success"):
+                        raise RuntimeError("vllm-interp's server did not reset its prefix cache between B's runs")
                 stats[run] = self.run(self.interp_url, prompts, stream, concurrency, fields,
                                       sample_as=f"{round_index}-{name}-B{suffix}")
         finally:
