@@ -60,7 +60,6 @@ import statistics
 import tempfile
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,7 +69,16 @@ import torch
 
 from benchmarks import step_profile
 from benchmarks.consumer_handoff import plain_write_mb_s
-from benchmarks.serve import RESULTS_METRICS, RunStats, fmt, gpu_card, medians_with_ranges, ratio, run_requests
+from benchmarks.serve import (
+    RESULTS_METRICS,
+    RunStats,
+    fmt,
+    gpu_card,
+    medians_with_ranges,
+    ratio,
+    run_requests,
+    worker_call,
+)
 from benchmarks.serving import (
     VLLM_INTERP_MODULE,
     ServerSampler,
@@ -137,15 +145,6 @@ class RssWatch(threading.Thread):
                 continue
             for name, mb in rss.items():
                 self.peak[name] = max(self.peak.get(name, 0.0), mb)
-
-
-def worker_call(url: str, method: str, **kwargs: Any) -> Any:
-    """Rank 0's answer to one of the worker's ``interp_*`` methods, through vLLM's dev-mode ``/collective_rpc``."""
-    body = json.dumps({"method": method, "kwargs": kwargs}).encode()
-    request = urllib.request.Request(f"{url}/collective_rpc", data=body, headers={"Content-Type": "application/json"},
-                                     method="POST")
-    with urllib.request.urlopen(request, timeout=60) as response:
-        return json.loads(response.read())["results"][0]
 
 
 def capture_steps(url: str) -> dict[str, int]:

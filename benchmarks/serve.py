@@ -172,6 +172,11 @@ def post(url: str, path: str, body: dict[str, Any], timeout: float = 600) -> dic
         connection.close()
 
 
+def worker_call(url: str, method: str, **kwargs: Any) -> Any:
+    """Rank 0's answer to one of the worker's ``interp_*`` methods, through vLLM's dev-mode ``/collective_rpc``."""
+    return post(url, "/collective_rpc", {"method": method, "kwargs": kwargs}, timeout=60)["results"][0]
+
+
 def completion(url: str, body: dict[str, Any]) -> Sample:
     """One /v1/completions request; streamed ones time their first and last token."""
     parts = urlsplit(url)
@@ -393,8 +398,7 @@ class Bench:
                     continue
                 suffix = "" if run is None else f"-{run:g}ms"
                 if run is not None:
-                    post(self.interp_url, "/collective_rpc",
-                         {"method": "interp_switch_interval", "kwargs": {"ms": run}})
+                    worker_call(self.interp_url, "interp_switch_interval", ms=run)
                     # B's runs of a pair share their prompts: a second one would find the first's blocks cached.
                     if not post(self.interp_url, "/reset_prefix_cache", {}).get("success"):
                         raise RuntimeError("vllm-interp's server did not reset its prefix cache between B's runs")
