@@ -26,9 +26,10 @@ Reported: throughput and TPOT of each phase against ``plain`` of the same round,
 burst against that ``plain`` (run before the bursts), the bytes of rows each capturing phase captured and their
 rate, how its capturing steps read (inside replayed CUDA graphs or eagerly, and how many as a steady batch's: the
 worker's ``interp_capture_steps``, through vLLM's dev-mode ``/collective_rpc``, which the server is started with),
-the sink's shards on disk after shutdown, the server processes' peak resident memory, the server's busiest threads'
-time on a CPU and waiting for one in each phase (Linux's scheduler statistics: a forward thread that is neither is
-blocked, on a lock, the device or I/O), and, on the capture root's disk, the rate of the sink's own shard writer
+the bytes of the sink's shards (each sink phase's deleted once counted, so that long runs fit the disk), the
+server processes' peak resident memory, the server's busiest threads' time on a CPU and waiting for one in each
+phase (Linux's scheduler statistics: a forward thread that is neither is blocked, on a lock, the device or I/O),
+and, on the capture root's disk, the rate of the sink's own shard writer
 against a plain sequential write of the same bytes (A B A B, each synced to disk); ``--disk-only`` measures only
 that, without a server.
 
@@ -164,6 +165,17 @@ def shard_bytes(root: Path) -> int:
     return sum(p.stat().st_size for p in (root / "shards").glob("shard-*.safetensors"))
 
 
+def drop_shards(root: Path) -> int:
+    """Delete the sink's published shards (the bytes they held): 256 requests of a sink phase write 8.6 GB, so
+    a run of several rounds would fill the device's disk. A shard still being written has its temporary name and
+    stays; the consumer numbers its shards once, at start, so it never reuses a deleted one's name."""
+    dropped = 0
+    for shard in (root / "shards").glob("shard-*.safetensors"):
+        dropped += shard.stat().st_size
+        shard.unlink()
+    return dropped
+
+
 PLAIN_CHUNK = 64 << 20  # the plain write's bytes per call
 
 
@@ -238,8 +250,9 @@ def report(args: argparse.Namespace, phases: list[Phase], rates: list[tuple[floa
     for name, rows in summary.items():
         lines.append(f"| {name} | " + " | ".join(medians_with_ranges(rows)) + " |")
     captured = sum(p.captured_bytes for p in phases if p.name.startswith("sink"))
-    lines += ["", f"The sink's shards on disk after shutdown: {on_disk / 1e6:.0f} MB (its phases captured "
-              f"{captured / 1e6:.0f} MB of rows; a shard still buffered is published when the server stops).", ""]
+    lines += ["", f"The sink's shards: {on_disk / 1e6:.0f} MB published by shutdown (its phases captured "
+              f"{captured / 1e6:.0f} MB of rows; a shard still buffered is published when the server stops; "
+              "published shards are deleted after each sink phase, once counted).", ""]
     lines += disk_section(rates)
     lines += sink_against_disk(phases, rates)
     lines += threads_section(phases)
@@ -356,6 +369,7 @@ def main() -> None:
          "--capture-consumers", f"filesystem:root={root},layout=sharded,queue_mb={args.sink_queue_mb}{isolation}"],
         workdir / "server.log", {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}, VLLM_INTERP_MODULE)
     phases: list[Phase] = []
+    dropped = 0  # bytes of the shards deleted between phases
     try:
         wait_healthy(url, server, workdir / "server.log", args.start_timeout)
         print(f"server ready after {time.monotonic() - began:.0f} s", flush=True)
@@ -399,6 +413,8 @@ def main() -> None:
                 # Every position but the last generated one goes through the model, at every layer.
                 rows = len(stats.ok) * (args.prompt_tokens + args.max_tokens - 1) * layers if capture else 0
                 phases.append(Phase(round_index, name, stats, rows * hidden * itemsize, steps, interval))
+                if name.startswith("sink"):
+                    dropped += drop_shards(root)
                 print(f"round {round_index} {tag}: ttft {fmt(stats.ttft_ms())} ms tpot {fmt(stats.tpot_ms(), 2)} ms "
                       f"last gap {fmt(stats.last_gap_ms())} ms "
                       f"{stats.throughput():.0f} tok/s errors {stats.errors} capturing steps {steps}", flush=True)
@@ -407,7 +423,7 @@ def main() -> None:
         watch.stop.set()
     finally:
         stop_server(server)
-    on_disk = shard_bytes(root)  # the sink's shards once the server (and its consumer) closed
+    on_disk = dropped + shard_bytes(root)  # the sink's shards once the server (and its consumer) closed
     rates = disk_rates(workdir, args.disk_mb, hidden, layers, args.rounds)
     text = report(args, phases, rates, watch.peak, layers, hidden, started, time.monotonic() - began, on_disk)
     if profile_sections:
