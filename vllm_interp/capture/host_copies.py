@@ -191,7 +191,7 @@ class _PinnedOwner:
     that array (or from a tensor made of it) refers to the array in turn. Once the last view is gone, on
     whichever thread drops it, the memory and ``release`` are queued for the forward thread, which gives them
     back when it next copies or lands blocks (``give_back_dropped``): freeing pinned memory that a copy used
-    records a CUDA event in torch's pinned cache (and a large block's ``release`` empties that cache), and
+    records a CUDA event in torch's pinned cache (and a large block's ``release`` may empty it, ``FreshPinned``), and
     CUDA calls from a consumer's thread slow every CUDA call of the forward thread (see the module
     docstring)."""
 
@@ -227,7 +227,7 @@ def start_pinned_copy(block: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Eve
         pinned = memory.view(block.dtype).view(block.shape)
     else:
         pinned = torch.empty(block.shape, dtype=block.dtype, pin_memory=True)
-        release = partial(_let_go, nbytes)
+        release = FRESH_PINNED.took(nbytes)
     pinned.copy_(block, non_blocking=True)
     event = _EVENTS.pop() if _EVENTS else torch.cuda.Event()
     event.record(_current_stream(block.get_device()))
@@ -258,12 +258,37 @@ def _landed(event: torch.cuda.Event, release: Callable[[], None]) -> None:
     release()
 
 
-def _let_go(nbytes: int) -> None:
-    """After a block's fresh pinned memory (``nbytes``) was copied out and dropped: torch keeps pinned blocks
-    cached for good, rounded up to a power of two, so what a rare large block (a long prompt's eager prefill)
-    took is given back instead of held locked."""
-    if nbytes > PINNED_CACHED_MAX_BYTES:
-        torch._C._host_emptyCache()  # a private name, present in the pinned torch 2.11
+class FreshPinned:
+    """Blocks copied into fresh pinned memory from torch's cache, and when that cache is emptied. Torch keeps
+    pinned blocks cached for good, rounded up to a power of two, so what a rare large block (a long prompt's
+    eager prefill, one the arena had no room for) took is given back instead of held locked: once no block of
+    ours is live in the cache. Emptying it mid-burst threw away every cached block of the steps in flight, which
+    the next steps then pinned afresh (a sink burst of 256 every-token requests on an H200 host: 19% of the
+    forward thread's samples pinning and emptying)."""
+
+    def __init__(self, empty_cache: Callable[[], None] | None = None) -> None:
+        # A private name, present in the pinned torch 2.11.
+        self._empty_cache = empty_cache or torch._C._host_emptyCache
+        self._lock = threading.Lock()  # released on the forward thread; a lock all the same, as the arena's
+        self.live = 0
+        self.empty_wanted = False
+
+    def took(self, nbytes: int) -> Callable[[], None]:
+        """Count a block taken from torch's cache; returns what to call once it was copied out and dropped."""
+        with self._lock:
+            self.live += 1
+        return partial(self._let_go, nbytes)
+
+    def _let_go(self, nbytes: int) -> None:
+        with self._lock:
+            self.live -= 1
+            self.empty_wanted = self.empty_wanted or nbytes > PINNED_CACHED_MAX_BYTES
+            if self.empty_wanted and not self.live:
+                self._empty_cache()
+                self.empty_wanted = False
+
+
+FRESH_PINNED = FreshPinned()
 
 
 class PinnedArena:
@@ -271,7 +296,7 @@ class PinnedArena:
     were copied, and each is given back once copied out of (split, or whole) or, held where it landed, once the
     last view of it is gone, so the oldest is usually the next to go (the ring waits for it).
 
-    A large block in fresh pinned memory costs pinning it (and giving it back after, see ``_let_go``): in a
+    A large block in fresh pinned memory costs pinning it (and giving it back after, see ``FreshPinned``): in a
     burst of every-token captures, whose prefill steps make blocks of hundreds of MiB, that was 112 of the
     forward thread's 1,169 samples on an H200 host, and keeping those blocks in torch's cache instead was worse
     (289: the blocks' sizes vary, and its power-of-two rounding pinned ever new ones). The arena is allocated
