@@ -1,7 +1,7 @@
 """Serving benchmark: plain vLLM against `vllm-interp serve` on the same model, streaming clients, as ratios.
 
     python -m benchmarks.serve MODEL --out FILE.md [--concurrency 128] [--prompt-tokens 512]
-        [--max-tokens 512] [--rounds 2] [--workloads idle,steer_distinct,...] [--pin-cpus]
+        [--max-tokens 512] [--requests 512] [--rounds 2] [--workloads idle,steer_distinct,...] [--pin-cpus]
         [--torch-profile capture_inline,...] [--torch-profile-stack] [--py-spy PATH]
         [--switch-intervals-ms 5,0.5] [--server-arg=--enforce-eager ...]
 
@@ -545,7 +545,9 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--workdir", default="/tmp/vllm-interp-serve-bench")
     parser.add_argument("--concurrency", type=int, default=128)
-    parser.add_argument("--requests", type=int, default=128)
+    # Four waves at concurrency 128: runs of 8-13 s on an H200 host kept idle TPOT ratios within 0.94-0.99 over six
+    # rounds, where runs of one or two waves (5-7 s) spread 0.89-1.27 (benchmarks/results/serve-gpu-2026-12-02.md).
+    parser.add_argument("--requests", type=int, default=512)
     parser.add_argument("--requests-c1", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=512)
