@@ -161,16 +161,21 @@ def dtype_size(config: dict[str, Any], server_args: list[str]) -> int:
     return 4 if name in ("float32", "float") else 2
 
 
+def published_shards(root: Path) -> list[Path]:
+    """The sink's published shards under ``root`` (one still being written has its temporary name)."""
+    return list((root / "shards").glob("shard-*.safetensors"))
+
+
 def shard_bytes(root: Path) -> int:
-    return sum(p.stat().st_size for p in (root / "shards").glob("shard-*.safetensors"))
+    return sum(p.stat().st_size for p in published_shards(root))
 
 
 def drop_shards(root: Path) -> int:
     """Delete the sink's published shards (the bytes they held): 256 requests of a sink phase write 8.6 GB, so
-    a run of several rounds would fill the device's disk. A shard still being written has its temporary name and
-    stays; the consumer numbers its shards once, at start, so it never reuses a deleted one's name."""
+    a run of several rounds would fill the device's disk. A shard still being written stays; the consumer
+    numbers its shards once, at start, so it never reuses a deleted one's name."""
     dropped = 0
-    for shard in (root / "shards").glob("shard-*.safetensors"):
+    for shard in published_shards(root):
         dropped += shard.stat().st_size
         shard.unlink()
     return dropped
