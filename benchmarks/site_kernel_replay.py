@@ -13,9 +13,11 @@ import argparse
 
 import torch
 
-from vllm_interp.config import DEFAULT_MAX_GRAPH_CAPTURE_ROWS, DEFAULT_MAX_STEERING_CONFIGS
+from vllm_interp.config import DEFAULT_MAX_STEERING_CONFIGS
 from vllm_interp.models.site_kernel import site_in_graph
 from vllm_interp.steering.tables import table_rows
+
+GRAPH_READ_ROWS = 512  # the sites' read buffers by default: vLLM 0.26's largest CUDA graph
 
 
 def _graph(body) -> torch.cuda.CUDAGraph:
@@ -54,7 +56,7 @@ def step_us(tokens: int, args: argparse.Namespace, with_sites: bool) -> float:
     patch_alpha = torch.zeros(2, device=device, dtype=dtype)
     read_slot = torch.full((tokens,), -1, dtype=torch.long, device=device)
     read_flag = torch.zeros(1, dtype=torch.int32, device=device)
-    read_out = torch.zeros(DEFAULT_MAX_GRAPH_CAPTURE_ROWS, args.hidden, device=device, dtype=dtype)
+    read_out = torch.zeros(GRAPH_READ_ROWS, args.hidden, device=device, dtype=dtype)
     x = torch.randn(tokens, args.filler, device=device, dtype=dtype)
     weight = torch.randn(args.filler, args.filler, device=device, dtype=dtype) / args.filler ** 0.5
 

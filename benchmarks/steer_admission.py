@@ -5,7 +5,7 @@ engine, its core in this process.
         [--workloads unsteered,shared,distinct,capture] [--attention-backend TRITON_ATTN] [--kv-cache-gib 1]
         [--inline inline:isolation=process]
         [--profile 25] [--profile-workload distinct]
-        [--torch-profile unsteered,capture] [--trace-dir DIR] [--torch-stack]
+        [--torch-profile unsteered,capture] [--trace-dir DIR] [--torch-stack] [--sync-check unsteered,distinct]
 
 benchmarks/serve.py showed per-request steering and capture adding queue and prefill time inside the engine
 (vLLM's own histograms). This isolates that part: a batch of ``--requests`` prompts of ``--prompt-tokens``
@@ -19,7 +19,10 @@ per-request cost shows where it is paid; ``--torch-profile`` runs each named wor
 profiler and prints the operators and kernels by device time (host time without a GPU) and how much of the
 batch's wall time the device was busy, so an engine-side cost shows on the device's timeline; ``--trace-dir``
 also writes each profile's Chrome trace there (gzipped) for a look at the gaps between kernels, with every
-Python call in it under ``--torch-stack`` (slow: for where the host waits, not for timings).
+Python call in it under ``--torch-stack`` (slow: for where the host waits, not for timings). ``--sync-check``
+runs each named workload once with torch's CUDA sync debug mode on and prints every call that made the host
+wait for the device, by Python call site (the innermost vLLM and vllm-interp frames), with counts: one such
+call in a step stops the host from preparing the next step while the device runs this one.
 """
 
 import argparse
@@ -29,6 +32,10 @@ import os
 import pstats
 import statistics
 import time
+import traceback
+import warnings
+from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -61,6 +68,7 @@ def main() -> None:
     parser.add_argument("--torch-profile", default="", help="workloads to run under torch's profiler")
     parser.add_argument("--torch-stack", action="store_true", help="record Python calls in the torch profiles")
     parser.add_argument("--trace-dir", default=None, help="where to write the profiles' Chrome traces")
+    parser.add_argument("--sync-check", default="", help="workloads to run with CUDA sync debug mode on")
     args = parser.parse_args()
 
     engine = dict(max_model_len=args.prompt_tokens + 16, enable_prefix_caching=False, seed=0)
@@ -129,6 +137,12 @@ def main() -> None:
         if args.trace_dir:
             _write_trace(prof, os.path.join(args.trace_dir, f"{workload}.json.gz"))
 
+    for workload in filter(None, args.sync_check.split(",")):
+        sites = _synchronizing_calls(lambda workload=workload: batch_s(workload, args.rounds))
+        print(f"\n## synchronizing CUDA calls: {workload} ({sum(sites.values())} in one batch)\n")
+        for site, count in sites.most_common(20):
+            print(f"  {count:6d}  {site}")
+
     if args.profile:
         profile = cProfile.Profile()
         profile.enable()
@@ -138,6 +152,33 @@ def main() -> None:
         stats.sort_stats("tottime").print_stats(args.profile)
         stats.sort_stats("cumulative").print_stats("vllm_interp", args.profile)
     llm.shutdown()
+
+
+def _synchronizing_calls(run) -> Counter:
+    """Run ``run()`` with torch's CUDA sync debug mode warning at each synchronizing call; count the calls by
+    their innermost frames in vLLM and vllm-interp (a frame of each, where the stack has one)."""
+    if not torch.cuda.is_available():
+        return Counter()
+    sites: Counter = Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None) -> None:
+        if "synchroniz" not in str(message):
+            return
+        stack = [(f"{Path(f.filename).name}:{f.lineno} {f.name}", f.filename) for f in traceback.extract_stack()[:-1]]
+        engine = [label for label, path in stack if "/vllm/" in path or "/vllm_interp/" in path]
+        ours = [label for label, path in stack if "/vllm_interp/" in path]
+        sites[" < ".join(reversed(engine[-3:])) + (f"  [ours: {ours[-1]}]" if ours else "")] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        shown, warnings.showwarning = warnings.showwarning, record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = shown
+    return sites
 
 
 def _device_busy_s(prof: torch.profiler.profile) -> float:

@@ -92,6 +92,18 @@ def test_vllm_compile_key_ignores_what_is_read_at_run_time():
     assert key(InterpConfig(enable_steering=True)) != key(base)
 
 
+def test_graph_read_buffers_hold_the_largest_graphs_tokens_unless_sized():
+    # A step reads at most one row per token: by default no step vLLM would replay runs eagerly to capture.
+    capturing = InterpConfig(capture_consumers=("inline",))
+    assert capturing.graph_read_rows(512) == 512
+    assert capturing.graph_read_rows(0) == 0  # no CUDA graphs (enforce_eager): no buffers
+    assert InterpConfig(capture_consumers=("inline",), max_graph_capture_rows=8).graph_read_rows(512) == 8
+    assert InterpConfig(capture_consumers=("inline",), max_graph_capture_rows=0).graph_read_rows(512) == 0
+    assert InterpConfig(enable_steering=True).graph_read_rows(512) == 0  # nothing ever reads
+    with pytest.raises(ValueError, match="max_graph_capture_rows"):
+        InterpConfig(max_graph_capture_rows=-1)
+
+
 def test_the_engine_switch_interval_is_set_in_the_workers_process_when_given():
     import sys
 

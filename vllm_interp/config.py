@@ -18,8 +18,6 @@ OVERLOAD_POLICIES = ("block", "drop", "spill")
 DEFAULT_MAX_STEERING_CONFIGS = 8
 DEFAULT_MAX_PATCH_ROWS = 1024
 DEFAULT_PATCH_SOURCE_BYTES = 1 << 30
-# Rows one CUDA-graph step can capture (per site: a [rows, hidden] buffer); steps capturing more run eagerly.
-DEFAULT_MAX_GRAPH_CAPTURE_ROWS = 256
 # Bounds the admitting process applies to what requests may ask for (docs/limits.md). The workers never
 # need them, so they are not part of InterpConfig: each front door holds its own ``FrontendLimits``.
 DEFAULT_MAX_SWEEP_CELLS = 4096
@@ -57,8 +55,8 @@ class InterpConfig:
     # Worker memory for patch source runs (least recently used runs are evicted beyond it).
     patch_source_bytes: int = DEFAULT_PATCH_SOURCE_BYTES
     # Rows a step replaying CUDA graphs can capture (a buffer of this height per site); 0: capturing steps
-    # always run eagerly.
-    max_graph_capture_rows: int = DEFAULT_MAX_GRAPH_CAPTURE_ROWS
+    # always run eagerly; None: as many as vLLM's largest CUDA graph has tokens (graph_read_rows).
+    max_graph_capture_rows: int | None = None
     # `--capture-consumers` flags: "name[:key=val,...]".
     capture_consumers: tuple[str, ...] = ()
     # A capture spec (JSON) applied to every request, besides the request's own.
@@ -84,7 +82,7 @@ class InterpConfig:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if not 0 <= self.engine_switch_interval_ms <= 1000:
             raise ValueError(f"engine_switch_interval_ms must be within 0-1000, got {self.engine_switch_interval_ms}")
-        if self.max_graph_capture_rows < 0:
+        if self.max_graph_capture_rows is not None and self.max_graph_capture_rows < 0:
             raise ValueError(f"max_graph_capture_rows must be >= 0, got {self.max_graph_capture_rows}")
         names = [parse_sae_flag(flag)[0] for flag in self.saes]
         if duplicated := sorted({name for name in names if names.count(name) > 1}):
@@ -113,10 +111,16 @@ class InterpConfig:
     def consumer_names(self) -> list[str]:
         return [parse_consumer_spec(spec)[0] for spec in self.consumers]
 
-    @property
-    def graph_read_rows(self) -> int:
-        """The height of the sites' graph read buffers: none without consumers (nothing ever reads)."""
-        return self.max_graph_capture_rows if self.consumers else 0
+    def graph_read_rows(self, max_graph_tokens: int) -> int:
+        """The height of the sites' graph read buffers, given the most tokens a step replaying a CUDA graph holds
+        (vLLM's ``max_cudagraph_capture_size``; 0: no graphs): none without consumers (nothing ever reads). By
+        default a row per token of the largest graph, as a step reads at most one row per token: no step that
+        vLLM would replay runs eagerly to capture (with 256 rows, an H200's every-token sink phases ran about
+        a hundred 257-512-token steps a phase eagerly and moved 0.8 GB/s of rows; with 512, half as many and
+        1.0 GB/s, benchmarks/results/bulk-capture-gpu-2026-12-02.md, session 26)."""
+        if not self.consumers:
+            return 0
+        return max_graph_tokens if self.max_graph_capture_rows is None else self.max_graph_capture_rows
 
     @property
     def hooks_needed(self) -> bool:
@@ -128,7 +132,8 @@ class InterpConfig:
         read at run time, so changing them reuses vLLM's compile cache."""
         graph = {name: getattr(self, name) for name in GRAPH_FIELDS}
         graph["sites_installed"] = self.hooks_needed
-        graph["graph_read_rows"] = self.graph_read_rows
+        # The buffers' height by default follows vLLM's largest graph, which vLLM's own hash covers.
+        graph["graph_read_rows"] = self.max_graph_capture_rows if self.consumers else 0
         return hashlib.sha256(json.dumps(graph, sort_keys=True).encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict[str, Any]:

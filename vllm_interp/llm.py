@@ -11,7 +11,6 @@ from vllm_interp.capture.consumers.inline import ResidualReadout
 from vllm_interp.capture.limits import check_capture_bytes
 from vllm_interp.capture.spec import CaptureSpec
 from vllm_interp.config import (
-    DEFAULT_MAX_GRAPH_CAPTURE_ROWS,
     DEFAULT_MAX_PATCH_ROWS,
     DEFAULT_MAX_STEERING_CONFIGS,
     FrontendLimits,
@@ -79,7 +78,7 @@ class LLM(vllm.LLM):
         enable_patching: bool = False,
         max_patch_rows: int = DEFAULT_MAX_PATCH_ROWS,
         patch_source_bytes: int | None = None,
-        max_graph_capture_rows: int = DEFAULT_MAX_GRAPH_CAPTURE_ROWS,
+        max_graph_capture_rows: int | None = None,
         saes: Mapping[str, str] | None = None,
         limits: FrontendLimits | None = None,
         **kwargs: Any,

@@ -12,7 +12,6 @@ import tempfile
 
 from vllm_interp.config import (
     DEFAULT_MAX_CAPTURE_BYTES_PER_REQUEST,
-    DEFAULT_MAX_GRAPH_CAPTURE_ROWS,
     DEFAULT_MAX_INTERP_BODY_BYTES,
     DEFAULT_MAX_NAMED_VECTORS,
     DEFAULT_MAX_PATCH_ROWS,
@@ -70,9 +69,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                        "capture consumer).")
     group.add_argument("--max-patch-rows", type=int, default=DEFAULT_MAX_PATCH_ROWS,
                        help="Patched rows one engine step holds (a request with more patches is refused).")
-    group.add_argument("--max-graph-capture-rows", type=int, default=DEFAULT_MAX_GRAPH_CAPTURE_ROWS,
+    group.add_argument("--max-graph-capture-rows", type=int, default=None,
                        help="Rows one engine step may capture and still replay CUDA graphs (each site holds a buffer "
-                       "of this many rows); steps capturing more run eagerly. 0: capturing steps always run eagerly.")
+                       "of this many rows); steps capturing more run eagerly. Default: vLLM's largest CUDA graph size "
+                       "(max_cudagraph_capture_size), so no step vLLM would replay runs eagerly to capture. 0: "
+                       "capturing steps always run eagerly.")
     group.add_argument("--max-sweep-cells", type=int, default=DEFAULT_MAX_SWEEP_CELLS,
                        help="Cells one /v1/patch_sweep request may ask for (hooks x layers x positions).")
     group.add_argument("--patch-source-bytes", type=int, default=DEFAULT_PATCH_SOURCE_BYTES,

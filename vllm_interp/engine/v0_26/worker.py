@@ -62,6 +62,7 @@ class InterpWorkerMixin:
         runner = self.model_runner
         model_config = self.vllm_config.model_config
         steer_rows = table_rows(config.max_steering_configs) if config.enable_steering else 1
+        max_graph_tokens = self.vllm_config.compilation_config.max_cudagraph_capture_size or 0
         bank = install_sites(
             runner.get_model(),
             hidden_size=model_config.get_hidden_size(),
@@ -71,7 +72,7 @@ class InterpWorkerMixin:
             steer_rows=steer_rows,
             patch_slots=config.max_patch_rows + 1 if config.enable_patching else 1,
             # Only CUDA graphs read from these buffers.
-            graph_read_rows=config.graph_read_rows if runner.device.type == "cuda" else 0,
+            graph_read_rows=config.graph_read_rows(max_graph_tokens) if runner.device.type == "cuda" else 0,
             is_held=lambda layer: not isinstance(layer, PPMissingLayer),
         )
         runner_hooks.install(runner)
@@ -80,10 +81,10 @@ class InterpWorkerMixin:
         if config.enable_patching:
             SOURCES.budget_bytes = config.patch_source_bytes
             patching = PatchTables(bank, SOURCES)
-        runner.attach(self._capture_store(config, bank),
+        runner.attach(self._capture_store(config, bank, max_graph_tokens),
                       SteeringTables(bank, config.max_steering_configs) if config.enable_steering else None, patching)
 
-    def _capture_store(self, config: InterpConfig, bank) -> CaptureStore:
+    def _capture_store(self, config: InterpConfig, bank, max_graph_tokens: int) -> CaptureStore:
         model_config = self.vllm_config.model_config
         num_layers = model_config.get_total_num_hidden_layers()
         saes = load_saes(config.saes, num_layers=num_layers, hidden_size=model_config.get_hidden_size())
@@ -108,7 +109,7 @@ class InterpWorkerMixin:
                                                queue_bytes=setup.queue_bytes, spill_dir=setup.spill_dir)
         return CaptureStore(bank, num_layers=num_layers, model=str(model_config.served_model_name),
                             consumers=runners, global_spec=global_spec, external_id=request_ids.external_request_id,
-                            max_graph_tokens=self.vllm_config.compilation_config.max_cudagraph_capture_size or 0)
+                            max_graph_tokens=max_graph_tokens)
 
     def interp_describe_sites(self) -> dict[str, Any]:
         return {**self.model_runner.interp_store.bank.descriptor(), "runner": self.interp_runner}
