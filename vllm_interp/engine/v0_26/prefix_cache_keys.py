@@ -30,14 +30,25 @@ _installed = False
 
 
 def _salt(request: Any, end_token_idx: int) -> tuple[str, str] | None:
+    # The hasher asks for every full block of every request (decoded blocks too): the spec is read once.
+    salt = getattr(request, "interp_prefix_salt", None)
+    if salt is None:
+        salt = request.interp_prefix_salt = _request_salt(request)
+    key, first_changed = salt
+    return key if key is not None and end_token_idx > first_changed else None
+
+
+def _request_salt(request: Any) -> tuple[tuple[str, str] | None, int]:
+    """The extra key of the request's blocks that end after the first position its interventions change, and
+    that position (no key: an unsalted request)."""
     params = getattr(request, "sampling_params", None)
     salt = interp_args(params.extra_args if params is not None else None).get("prefix_salt")
     if not salt:
-        return None
+        return None, 0
     starts = [request.num_prompt_tokens] if salt["from_prompt_end"] else []
     if salt["from_position"] is not None:
         starts.append(salt["from_position"])
-    return (SALT_TAG, salt["digest"]) if end_token_idx > min(starts) else None
+    return (SALT_TAG, salt["digest"]), min(starts)
 
 
 def install() -> None:
