@@ -118,9 +118,13 @@ class InterpConfig:
         vLLM would replay runs eagerly to capture (with 256 rows, an H200's every-token sink phases ran about
         a hundred 257-512-token steps a phase eagerly and moved 0.8 GB/s of rows; with 512, half as many and
         1.0 GB/s, benchmarks/results/bulk-capture-gpu-2026-12-02.md, session 26)."""
-        if not self.consumers:
-            return 0
-        return max_graph_tokens if self.max_graph_capture_rows is None else self.max_graph_capture_rows
+        asked = self._read_rows_asked
+        return max_graph_tokens if asked is None else asked
+
+    @property
+    def _read_rows_asked(self) -> int | None:
+        """The rows the flags ask the read buffers for: 0 without consumers, None for vLLM's largest graph."""
+        return self.max_graph_capture_rows if self.consumers else 0
 
     @property
     def hooks_needed(self) -> bool:
@@ -133,7 +137,7 @@ class InterpConfig:
         graph = {name: getattr(self, name) for name in GRAPH_FIELDS}
         graph["sites_installed"] = self.hooks_needed
         # The buffers' height by default follows vLLM's largest graph, which vLLM's own hash covers.
-        graph["graph_read_rows"] = self.max_graph_capture_rows if self.consumers else 0
+        graph["graph_read_rows"] = self._read_rows_asked
         return hashlib.sha256(json.dumps(graph, sort_keys=True).encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict[str, Any]:
