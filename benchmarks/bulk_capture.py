@@ -20,7 +20,7 @@ in parts while it runs), ``plain_after_sink``, ``sink_whole`` (the sink with ``p
 whole, when it ends). ``plain`` runs first in every round; odd rounds run the bursts in reverse order (each
 still followed by its ``plain_after``): ``round_order``.
 ``--warmup-rounds`` rounds run first: the first bursts pay one-off costs (the pinned arena and torch's pinned
-cache filling, the consumer's shared blocks and shard memory mapped, a sink burst on an H200 host at 0.30 of
+cache filling, the consumer's shared blocks mapped, a sink burst on an H200 host at 0.30 of
 plain in its first round and 0.46-0.66 in the next three), so they are listed but left out of the medians.
 Reported: throughput and TPOT of each phase against ``plain`` of the same round, TTFT of the plain phases after a
 burst against that ``plain`` (run before the bursts), the bytes of rows each capturing phase captured and their

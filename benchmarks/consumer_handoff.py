@@ -9,8 +9,8 @@ a fresh directory in ``--root`` (a disk, or ``/dev/shm`` to take the disk out), 
 ``isolation.PIPELINE_DEPTH`` set to each of ``--depths`` in turn, in rounds (A B C A B C). Per depth it prints
 the steady rate (MB/s from the first quarter of the requests' answers to the last, so neither the first
 fault-in of fresh blocks and shard buffers nor the child's exit counts) and where the time went: the runner
-thread's gather into shared blocks, and the child's ``consume``, its copy into shard memory and its waits for
-the shard writer, each as a share of that span. Then a plain synced write of 256 MB to the same root, for
+thread's gather into shared blocks, and the child's ``consume`` and its waits for the shard writers, each as a
+share of that span. Then a plain synced write of 256 MB to the same root, for
 scale. No engine: the gather is one ``torch.cat`` of per-position chunks, as the store's is.
 ``--child-threads consumer,16`` compares the consumer's own ``process_threads`` with 16 torch threads.
 """
@@ -41,8 +41,7 @@ class TimedFilesystem(FilesystemConsumer):
         super().__init__(context)
         if os.environ.get(CHILD_THREADS_ENV):
             torch.set_num_threads(int(os.environ[CHILD_THREADS_ENV]))
-        self.seconds = {"consume": 0.0, "copy": 0.0, "writer wait": 0.0}
-        self._memory.copy_in = self._timed(self._memory.copy_in, "copy")
+        self.seconds = {"consume": 0.0, "writer wait": 0.0}
         self.wait_written = self._timed(self.wait_written, "writer wait")
 
     def _timed(self, call, key: str):

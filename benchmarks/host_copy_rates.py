@@ -2,8 +2,9 @@
 
     python -m benchmarks.host_copy_rates [--root DIR] [--chunk-mb 8] [--buffer-mb 256] [--rounds 2]
 
-A consumer in its own process (capture/isolation.py) receives each request's rows in a shared-memory block
-and the sharded layout copies them into shard memory, which a writer thread then writes out. This measures
+A consumer in its own process (capture/isolation.py) receives each request's rows in a shared-memory block;
+the sharded layout once copied them into shard memory for its writer thread to write out (it now writes
+from the lent blocks themselves). This measures
 each way of making that copy on this machine, in rounds (A B C .. A B C ..): ``torch.Tensor.copy_`` with
 torch's own thread count and with one thread, ``numpy.copyto``, each into fresh memory and into memory
 already touched; then a chunk at a time straight from the shared block to a file (``os.write``) against one

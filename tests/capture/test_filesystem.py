@@ -14,6 +14,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -242,18 +243,40 @@ def test_sharded_takes_a_request_in_parts_and_reads_it_back_whole(tmp_path):
     assert_same_tensors(read_capture(tmp_path, "doc")[0], newer)
 
 
-def test_sharded_buffers_a_copy_of_the_rows(tmp_path):
-    """A consumer in its own process receives rows in a shared block that is reused once ``consume`` returns:
-    what the sharded layout buffers must not be the caller's memory."""
+def capture_in_memory_of_its_own(request_id: str, seed: int) -> tuple[RequestCapture, np.ndarray]:
+    """``make_capture``'s rows as views of one array (as a block holds a request's rows), and the array."""
+    given = make_capture(request_id=request_id, seed=seed)
+    memory = np.empty(given.nbytes // 4, dtype=np.float32)
+    whole, tensors = torch.from_numpy(memory), {}
+    for i, (site, tensor) in enumerate(given.tensors.items()):
+        tensors[site] = whole[i * tensor.numel(): (i + 1) * tensor.numel()].view(tensor.shape)
+        tensors[site].copy_(tensor)
+    return RequestCapture(given.meta, tensors), memory
+
+
+def views(memories: list[np.ndarray]) -> list[int]:
+    """How many arrays or tensors view each of ``memories`` (beyond the list and getrefcount's argument)."""
+    return [sys.getrefcount(memories[i]) - 2 for i in range(len(memories))]
+
+
+def test_sharded_holds_the_rows_it_buffers_until_their_shard_is_published(tmp_path):
+    """No copy: a shard's rows are the tensors ``consume`` was given, let go of once the shard is published (a
+    consumer in its own process keeps their shared block lent meanwhile: test_isolation)."""
     consumer = make_consumer(tmp_path, layout="sharded")
-    consumer.shard_bytes = make_capture().nbytes  # every request fills a shard: buffers are reused
-    for i in range(4):
-        given = make_capture(request_id=f"r{i}", seed=i)
+    consumer.shard_bytes = make_capture().nbytes  # every request fills a shard
+    memories = []
+    for i in range(3):
+        given, memory = capture_in_memory_of_its_own(f"r{i}", seed=i)
+        memories.append(memory)
         consumer.consume(given)
-        for tensor in given.tensors.values():
-            tensor.zero_()
+        del given, memory
+    # A rollover waits for the shard two before it: r0's shard is published and let go of.
+    assert views(memories)[0] == 0 and views(memories)[2] > 0
+    assert consumer._writing[-1][1]["r2"].tensors[SITES[0]].data_ptr() == memories[2].ctypes.data
+    consumer.wait_written()
+    assert views(memories) == [0, 0, 0]
     consumer.close()
-    for i in range(4):
+    for i in range(3):
         assert_same_tensors(read_capture(tmp_path, f"r{i}")[0], make_capture(request_id=f"r{i}", seed=i))
 
 
@@ -277,32 +300,38 @@ def test_sharded_rolls_over_before_a_shard_would_pass_its_limit(tmp_path):
     assert list_captures(tmp_path) == ["big", "r0", "r1", "r2"]
 
 
-def test_a_shard_is_written_while_the_next_one_fills(tmp_path, monkeypatch):
+def test_a_shard_is_written_while_the_one_before_it_is_synced_and_the_next_one_fills(tmp_path, monkeypatch):
     consumer = make_consumer(tmp_path, layout="sharded")
     consumer.shard_bytes = make_capture().nbytes  # every request fills a shard
-    release, writing = threading.Event(), threading.Event()
-    real = filesystem._publish
+    release, publishing = threading.Event(), threading.Event()
+    real = filesystem._install
 
-    def slow_publish(path, write):
-        writing.set()
+    def slow_install(moves, synced=False):
+        publishing.set()
         assert release.wait(30)
-        real(path, write)
+        real(moves, synced)
 
-    monkeypatch.setattr(filesystem, "_publish", slow_publish)
+    monkeypatch.setattr(filesystem, "_install", slow_install)
     consumer.consume(make_capture(request_id="r0"))
-    assert writing.wait(30)
-    taken = threading.Thread(target=consumer.consume, args=(make_capture(request_id="r1", seed=1),))
+    assert publishing.wait(30)
+    consumer.consume(make_capture(request_id="r1", seed=1))  # r0's shard is being published: r1's is written
+    deadline = time.monotonic() + 30
+    while len(temp_files(tmp_path)) < 2:
+        assert time.monotonic() < deadline, "the second shard's data was not written while the first was synced"
+        time.sleep(0.01)
+    taken = threading.Thread(target=consumer.consume, args=(make_capture(request_id="r2", seed=2),))
     taken.start()
     time.sleep(0.2)
-    # r1 waits for r0's shard (one shard in the writer), not for its own.
+    # r2 waits for r0's shard (two shards with the writers), not for its own.
     assert taken.is_alive() and list_captures(tmp_path) == []
     release.set()
     taken.join(30)
     consumer.close()
-    assert list_captures(tmp_path) == ["r0", "r1"]
+    assert list_captures(tmp_path) == ["r0", "r1", "r2"] and temp_files(tmp_path) == []
 
 
 def test_a_failed_background_shard_fails_the_request_that_finds_it_and_is_retried(tmp_path, monkeypatch):
+    """The shard after a failed one is not published either; both come back, in order, for the next shard."""
     consumer = make_consumer(tmp_path, layout="sharded")
     consumer.shard_bytes = make_capture().nbytes
     real_fsync = os.fsync
@@ -312,14 +341,17 @@ def test_a_failed_background_shard_fails_the_request_that_finds_it_and_is_retrie
 
     monkeypatch.setattr(os, "fsync", full)
     assert consumer.consume(make_capture(request_id="r0"))["pending"]
+    assert consumer.consume(make_capture(request_id="r1", seed=1))["pending"]  # a second shard: no wait yet
     with pytest.raises(OSError, match="No space left"):
-        consumer.consume(make_capture(request_id="r1", seed=1))
+        consumer.consume(make_capture(request_id="r2", seed=2))
     monkeypatch.setattr(os, "fsync", real_fsync)
     assert temp_files(tmp_path) == [] and list_captures(tmp_path) == []
-    consumer.consume(make_capture(request_id="r2", seed=2))
+    consumer.consume(make_capture(request_id="r3", seed=3))
     consumer.close()
-    assert list_captures(tmp_path) == ["r0", "r2"]
-    assert_same_tensors(read_capture(tmp_path, "r0")[0], make_capture(request_id="r0"))
+    index = [json.loads(line) for line in (tmp_path / "shards" / "index.jsonl").read_text().splitlines()]
+    assert [record["base"] for record in index] == ["r0", "r1", "r3"]
+    for i in (0, 1, 3):
+        assert_same_tensors(read_capture(tmp_path, f"r{i}")[0], make_capture(request_id=f"r{i}", seed=i))
 
 
 @pytest.mark.parametrize("layout", ["packed", "per_file", "sharded"])

@@ -166,17 +166,65 @@ class KeepingConsumer(CaptureConsumer):
 
 
 def test_a_consumer_that_keeps_rows_keeps_them_intact():
-    """The child sees that the consumer still holds the block, and the worker gives that block up."""
+    """The child sees that the consumer still holds the block, and the worker lends it rather than reuse it."""
     host = InProcess(KeepingConsumer, context("keeping"))
     try:
         requests = [capture(f"req-{i}" + "x" * i) for i in range(4)]
         sums = []
-        for rows in requests:
+        for i, rows in enumerate(requests):
             future = host.submit(PendingCapture.of(rows))
             host.settle()
             sums.append(float(rows.tensors[SITES[0]].sum()))
             assert future.result()["sums"] == pytest.approx(sums, rel=1e-6)
-            assert not host._spare and not list(host._dir.iterdir())
+            assert not host._spare and len(host._lent) == i + 1 == len(list(host._dir.iterdir()))
+    finally:
+        host.close()
+
+
+class LettingGoConsumer(KeepingConsumer):
+    """Keeps rows until a request tagged ``let-go``, which drops everything kept (and its own rows)."""
+
+    def consume(self, capture: RequestCapture) -> dict:
+        if capture.meta.tag == "let-go":
+            self.kept.clear()
+            return {"sums": []}
+        return super().consume(capture)
+
+
+def test_a_block_the_consumer_lets_go_of_comes_back_and_is_reused():
+    host = InProcess(LettingGoConsumer, context("letting-go"))
+    try:
+        for i in range(2):
+            host.submit(PendingCapture.of(capture(f"req-{i}")))
+            host.settle()
+        lent = set(host._lent)
+        assert len(lent) == 2 and not host._spare
+        host.submit(PendingCapture.of(capture("drop", tag="let-go")))
+        host.settle()
+        # The answer to the request that let go lists the two lent blocks: spares now, with its own block.
+        assert not host._lent and lent < {block.path for block in host._spare} and len(host._spare) == 3
+        rows = capture("req-again" + "x" * 7)
+        future = host.submit(PendingCapture.of(rows))
+        host.settle()
+        assert future.result()["sums"] == pytest.approx([float(rows.tensors[SITES[0]].sum())], rel=1e-6)
+        assert len(list(host._dir.iterdir())) == 3, "a fresh block instead of a spare"
+    finally:
+        host.close()
+
+
+def test_past_the_lent_limit_the_oldest_block_is_given_up_and_its_rows_stay(monkeypatch):
+    monkeypatch.setattr(isolation, "MAX_LENT_BLOCKS", 2)
+    host = InProcess(KeepingConsumer, context("keeping"))
+    try:
+        sums = []
+        for i in range(4):
+            rows = capture(f"req-{i}" + "x" * i)
+            future = host.submit(PendingCapture.of(rows))
+            host.settle()
+            sums.append(float(rows.tensors[SITES[0]].sum()))
+            # Given-up blocks' rows live on in the child's mappings, unchanged by later requests.
+            assert future.result()["sums"] == pytest.approx(sums, rel=1e-6)
+        assert len(host._lent) == 2 == len(list(host._dir.iterdir())) and not host._spare
     finally:
         host.close()
 

@@ -15,17 +15,19 @@ its consumers when stopped, engine/v0_26/serve.py).
 Blocks are reused, request after request, and stay mapped in both processes: a fresh block per request cost
 about what the disk's write of it costs (H100 host, a 34 MB request: 4 ms to reserve it and 17-20 ms of page
 faults to gather into it, against 6.5 ms into pages already mapped). A consumer may keep a request's tensors
-past ``consume``: the child sees that the block is still referenced when ``consume`` returns and answers so,
-and the worker then gives that block up (its pages live on in the child until the consumer lets go) rather
-than reuse it. So keeping rows is correct but costs a fresh block; ``filesystem`` copies what it buffers.
-``InThread`` tells a kept block the same way (``patch_source``, on the worker's thread, holds its sources).
+past ``consume`` (the ``sharded`` file layout buffers them until their shard is written): the child sees that
+the block is still referenced when ``consume`` returns and answers so, and the worker *lends* the block
+rather than reuse it. With every answer the child lists the lent blocks the consumer has since let go of, and
+the worker takes those back as spares, so kept rows cost neither a copy nor a fresh block. At most
+``MAX_LENT_BLOCKS`` are lent: past that the oldest is given up (its pages live on in the child until the
+consumer lets go). ``InThread`` tells a kept block the same way (``patch_source``, on the worker's thread,
+holds its sources) and gives such a consumer fresh memory.
 
 The child is started with ``subprocess`` (vLLM's worker processes are daemonic, and daemonic processes may
 not start ``multiprocessing`` children), builds its consumer from the pickled class and context, and reports
 a constructor's error back, so a bad option still fails the engine at start-up.
 """
 
-import gc
 import logging
 import math
 import mmap
@@ -59,6 +61,9 @@ SHARED_DIR = "/dev/shm"
 # consumer's queue_mb is held until it is answered).
 PIPELINE_DEPTH = 4
 BLOCK_GRAIN = 2 << 20  # blocks are sized in these steps, so requests of similar sizes share one without resizing
+# Blocks a consumer may keep at once before the oldest is given up: a sharded layout holds three shards' parts
+# (one filling, two being written: 96 parts of 8 MiB at the default sizes), with room to spare.
+MAX_LENT_BLOCKS = 256
 
 
 class ConsumerProcessError(RuntimeError):
@@ -128,6 +133,7 @@ class InProcess:
         self.consumer_class = cls
         self._in_flight: deque[tuple[Future, str, _SharedBlock | None]] = deque()  # (future, doing, its block)
         self._spare: list[_SharedBlock] = []  # blocks the child answered for and let go of
+        self._lent: dict[str, _SharedBlock] = {}  # blocks whose rows the consumer keeps, oldest first
         self._given_up: list[str] = []  # blocks removed since the last message: the child drops its mappings
         self._dir = Path(tempfile.mkdtemp(prefix=f"vllm-interp-{context.name}-",
                                           dir=SHARED_DIR if os.path.isdir(SHARED_DIR) else None))
@@ -201,7 +207,7 @@ class InProcess:
 
     def _receive_oldest(self) -> None:
         future, doing, block = self._in_flight.popleft()
-        kept = True  # unless the child says otherwise, the block is not reused
+        kept: bool | None = None  # unknown unless the child answers: the block is then given up
         try:
             try:
                 answer, kept = self._receive(doing)
@@ -209,15 +215,30 @@ class InProcess:
                 kept = exc.kept
                 raise
             finally:
-                # Before the outcome: whoever sees it finds the block reused or gone.
-                if block is not None and kept:
-                    self._give_up(block)
-                elif block is not None:
-                    self._spare.append(block)
+                # Before the outcome: whoever sees it finds the block reused, lent or gone.
+                if block is not None:
+                    self._settle_block(block, kept)
         except Exception as exc:  # whatever keeps the answer from coming is this request's failure
             future.set_exception(exc)
         else:
             future.set_result(answer)
+
+    def _settle_block(self, block: "_SharedBlock", kept: bool | None) -> None:
+        if kept is None:
+            self._give_up(block)
+        elif kept:
+            self._lent[block.path] = block
+            while len(self._lent) > MAX_LENT_BLOCKS:
+                self._give_up(self._lent.pop(next(iter(self._lent))))
+        else:
+            self._spare.append(block)
+
+    def _take_back(self, paths: list[str]) -> None:
+        """Lent blocks the consumer has let go of become spares (one given up since is not lent any more)."""
+        for path in paths:
+            block = self._lent.pop(path, None)
+            if block is not None:
+                self._spare.append(block)
 
     def close(self) -> None:
         try:
@@ -239,11 +260,13 @@ class InProcess:
             raise self._exited(doing) from None
 
     def _receive(self, doing: str) -> tuple[Any, bool]:
-        """The child's answer, and whether it still holds the request's block (see the module docstring)."""
+        """The child's answer, and whether it still holds the request's block (see the module docstring); the
+        lent blocks it lists as let go of are taken back."""
         try:
-            status, value, kept = self._conn.recv()
+            status, value, kept, returned = self._conn.recv()
         except (EOFError, OSError):
             raise self._exited(doing) from None
+        self._take_back(returned)
         if status == "error":
             raise ConsumerProcessError(value, kept)
         return value, kept
@@ -261,9 +284,11 @@ class InProcess:
 
     def _stop(self) -> None:
         self._conn.close()
-        for block in self._spare + [block for _, _, block in self._in_flight if block is not None]:
+        for block in [*self._spare, *self._lent.values(),
+                      *(block for _, _, block in self._in_flight if block is not None)]:
             block.release()
         self._spare.clear()
+        self._lent.clear()
         try:
             self._process.wait(60)
         except subprocess.TimeoutExpired:
@@ -333,28 +358,50 @@ def _view(memory: mmap.mmap | np.ndarray, shape: tuple[int, ...], dtype: torch.d
 
 
 class _ChildBlocks:
-    """The child's mappings of the worker's blocks, kept from request to request while the blocks are reused."""
+    """The child's mappings of the worker's blocks, kept from request to request while the blocks are reused,
+    and which of them are lent: the consumer still views them."""
 
     def __init__(self) -> None:
         self._mapped: dict[str, mmap.mmap] = {}
+        self._lent: set[str] = set()
 
-    def map(self, path: str, size: int) -> mmap.mmap:
+    def view(self, path: str, size: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         mapped = self._mapped.get(path)
         if mapped is None or len(mapped) != size:  # new, or resized by the worker since
             with open(path, "r+b") as f:
                 mapped = self._mapped[path] = mmap.mmap(f.fileno(), size)
-        return mapped
+        return _view(mapped, shape, dtype)
+
+    def views(self, path: str) -> int:
+        """How many arrays of the block exist (every tensor of the block holds one; this dict holds the mapping,
+        and ``getrefcount`` its argument)."""
+        return sys.getrefcount(self._mapped[path]) - 2
+
+    def settle(self, path: str) -> bool:
+        """Whether the consumer kept rows of the block it was just given; a kept block is lent from then on."""
+        kept = self.views(path) > 0
+        if kept:
+            self._lent.add(path)
+        return kept
+
+    def returned(self) -> list[str]:
+        """Lent blocks the consumer has let go of since the last call: the worker may reuse them."""
+        free = [path for path in self._lent if self.views(path) == 0]
+        self._lent.difference_update(free)
+        return free
 
     def forget(self, paths: list[str]) -> None:
-        """Blocks the worker gave up (its consumer kept rows of them, which keep their mappings, or a request
-        failed with them): their pages go once nothing maps them."""
+        """Blocks the worker gave up (lent past its limit, or a request failed with them): their pages go once
+        nothing maps them."""
         for path in paths:
             self._mapped.pop(path, None)
+            self._lent.discard(path)
 
 
 def _serve(conn: Connection) -> None:
     """The child: build the consumer, then answer requests until told to close or the worker goes away. Every
-    answer is ``(status, value, kept)``: ``kept`` tells whether the consumer still holds the request's block."""
+    answer is ``(status, value, kept, returned)``: ``kept`` tells whether the consumer still holds the request's
+    block, ``returned`` lists the lent blocks it has let go of."""
     cls, context, level = conn.recv()
     if cls.process_threads is not None:
         torch.set_num_threads(cls.process_threads)
@@ -363,9 +410,9 @@ def _serve(conn: Connection) -> None:
     try:
         consumer = cls(context)
     except Exception as exc:
-        conn.send(("error", f"{type(exc).__name__}: {exc}", False))
+        conn.send(("error", f"{type(exc).__name__}: {exc}", False, []))
         return
-    conn.send(("ok", None, False))
+    conn.send(("ok", None, False, []))
     blocks = _ChildBlocks()
     while True:
         try:
@@ -374,14 +421,14 @@ def _serve(conn: Connection) -> None:
             consumer.close()  # the worker is gone: publish what is buffered, nobody will ask again
             return
         if message[0] == "close":
-            conn.send((*_outcome(consumer.close), False))
+            conn.send((*_outcome(consumer.close), False, blocks.returned()))
             return
-        conn.send(_consume(consumer, blocks, *message[1:]))
+        conn.send((*_consume(consumer, blocks, *message[1:]), blocks.returned()))
 
 
-def _outcome(call: Callable[[], Any]) -> tuple[str, Any]:
+def _outcome(call: Callable[..., Any], *args: Any) -> tuple[str, Any]:
     try:
-        return "ok", call()
+        return "ok", call(*args)
     except Exception as exc:  # the request's failure, reported to the worker; the child keeps serving
         return "error", f"{type(exc).__name__}: {exc}"
 
@@ -389,23 +436,20 @@ def _outcome(call: Callable[[], Any]) -> tuple[str, Any]:
 def _consume(consumer: CaptureConsumer, blocks: _ChildBlocks, meta: CaptureMeta, path: str | None,
              size: int | None, shape: tuple[int, ...], dtype: torch.dtype,
              given_up: list[str]) -> tuple[str, Any, bool]:
+    """Consume one request: ``(status, value, kept)``."""
     blocks.forget(given_up)
     if path is None:  # no rows
         return (*_outcome(lambda: consumer.consume(RequestCapture.of_block(meta, torch.empty(shape, dtype=dtype)))),
                 False)
     try:
-        mapped = blocks.map(path, size)
+        rows = blocks.view(path, size, shape, dtype)
     except OSError as exc:  # this request's failure; the child keeps serving
         return "error", f"{type(exc).__name__}: {exc}", False
-    unheld = sys.getrefcount(mapped)  # every tensor of the block holds the mapping
-    outcome = _outcome(lambda: consumer.consume(RequestCapture.of_block(meta, _view(mapped, shape, dtype))))
-    kept = sys.getrefcount(mapped) > unheld
-    if kept:
-        gc.collect()  # a reference cycle the consumer left may be all that holds the rows
-        kept = sys.getrefcount(mapped) > unheld
-    if kept:
-        blocks.forget([path])
-    return (*outcome, kept)
+    capture = RequestCapture.of_block(meta, rows)
+    del rows
+    outcome = _outcome(consumer.consume, capture)
+    del capture  # what is left of the block's views is the consumer's
+    return (*outcome, blocks.settle(path))
 
 
 if __name__ == "__main__":

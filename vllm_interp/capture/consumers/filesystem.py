@@ -11,12 +11,16 @@ Layouts (``layout``; a request may override it and ``on_collision`` in its spec)
 - ``sharded``: requests are buffered in memory and written together to ``<root>/shards/shard-NNNNN.safetensors``
   (tensors ``<base>/<site>``) when the next request would push the shard past ``shard_mb`` MiB (a request that
   alone fills a shard is handed on at once), and at ``close()``; one JSON line per request (the metadata plus
-  ``shard``) is then appended to ``<root>/shards/index.jsonl``; the last line of a base wins. A full shard is
-  written by a thread of its own while the next one fills (so two shards' rows may be in memory).
-  ``consume`` returns ``pending: true``: its data is durable once its shard is published and its index line
-  appended (by the writer, after a later rollover, or at ``close()``), and is lost if the process dies before
-  that. A shard whose publish fails keeps its requests for the next one, and the request whose rollover
-  found the failure gets the error.
+  ``shard``) is then appended to ``<root>/shards/index.jsonl``; the last line of a base wins. The rows
+  buffered are the tensors ``consume`` is given, not copies (a consumer in its own process keeps their shared
+  block lent until its shard is published: capture/isolation.py). A full shard goes to two threads of their
+  own while the next one fills: one writes a shard's data while the other syncs and publishes the shard before
+  it, so the disk always has a shard to write (up to three shards' rows are in memory: one filling, two with
+  the writers). ``consume`` returns ``pending: true``: its data is durable once its shard is published and its
+  index line appended (by the writers, after a later rollover, or at ``close()``), and is lost if the process
+  dies before that. Shards are published in order: one whose write or publish fails stops those after it,
+  their requests all go back to the buffer for the next shard, and the request whose rollover found the
+  failure gets the error.
   A request is taken in parts of about ``part_mb`` MiB (default 8; 0: whole, when it ends) while it runs, so its
   rows leave the engine as they are computed (``CaptureConsumer.part_bytes``): part ``k`` is stored as tensors
   ``<base>/<capture>.<k>/<site>`` (``capture``: a random id per request) with an index line of its own that
@@ -43,6 +47,7 @@ import os
 import re
 import secrets
 import struct
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -80,65 +85,12 @@ class _Pending:
     nbytes: int
 
 
-class _ShardMemory:
-    """Memory the sharded layout copies buffered requests' rows into, reused shard after shard. Buffered rows
-    outlive ``consume``, and a consumer in a process of its own receives them in a shared block that the worker
-    reuses once ``consume`` returns (capture/isolation.py); memory that stays mapped also takes the copy without
-    the page faults a fresh allocation per shard pays. A shard's buffers come back once it is published."""
-
-    SPARE = 2  # one shard filling while the one before it is written
-
-    def __init__(self) -> None:
-        self._filling: torch.Tensor | None = None
-        self._used = 0
-        self._held: list[torch.Tensor] = []  # every buffer rows of buffered requests live in
-        self._spare: list[torch.Tensor] = []
-
-    def copy_in(self, tensors: dict[str, torch.Tensor], shard_bytes: int) -> dict[str, torch.Tensor]:
-        """``tensors`` copied into the buffer that is filling (when they do not fit, a fresh one of at least
-        ``shard_bytes``)."""
-        sizes = [_aligned(t.numel() * t.element_size()) for t in tensors.values()]
-        if self._filling is None or self._filling.numel() - self._used < sum(sizes):
-            self._filling, self._used = self._take(max(shard_bytes, sum(sizes))), 0
-            self._held.append(self._filling)
-        copied = {}
-        for (name, tensor), size in zip(tensors.items(), sizes, strict=True):
-            region = self._filling[self._used: self._used + tensor.numel() * tensor.element_size()]
-            copied[name] = region.view(tensor.dtype).view(tensor.shape)
-            copied[name].copy_(tensor)
-            self._used += size
-        return copied
-
-    def hand_over(self) -> list[torch.Tensor]:
-        """The buffers of every request buffered so far (a shard on its way to the writer)."""
-        held, self._held, self._filling = self._held, [], None
-        return held
-
-    def written(self, buffers: list[torch.Tensor]) -> None:
-        self._spare = (self._spare + buffers)[-self.SPARE:]
-
-    def not_written(self, buffers: list[torch.Tensor]) -> None:
-        """A shard whose publish failed: its requests are buffered again, in its buffers."""
-        self._held = buffers + self._held
-
-    def _take(self, nbytes: int) -> torch.Tensor:
-        for buffer in self._spare:
-            if buffer.numel() >= nbytes:
-                self._spare.remove(buffer)
-                return buffer
-        return torch.empty(nbytes, dtype=torch.uint8)
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // 8) * 8  # every tensor of a buffer starts 8-byte aligned, whatever its dtype
-
-
 class FilesystemConsumer(CaptureConsumer):
     """Writes each request's capture under ``root`` (see the module docstring for the layouts)."""
 
     name = "filesystem"
     default_isolation = "process"  # serialising and writing are CPU and disk work
-    process_threads = 1  # copies and writes (CaptureConsumer.process_threads)
+    process_threads = 1  # serialises and writes (CaptureConsumer.process_threads)
 
     def __init__(self, context: ConsumerContext) -> None:
         super().__init__(context)
@@ -154,11 +106,11 @@ class FilesystemConsumer(CaptureConsumer):
         _make_dirs(self.root)
         self._pending: dict[str, _Pending] = {}
         self._next_shard = _next_shard_number(self.root / SHARD_DIR)
-        # A full shard is published on a thread of its own while the next one fills (its writes and syncs
-        # release the interpreter lock), so taking requests never waits for the disk: one shard in the writer.
-        self._writer: ThreadPoolExecutor | None = None
-        self._writing: tuple[Future, dict[str, _Pending], list[torch.Tensor]] | None = None
-        self._memory = _ShardMemory()
+        # Full shards are written and published on threads of their own while the next one fills (writes and
+        # syncs release the interpreter lock), so taking requests waits for the disk only past WRITER_DEPTH
+        # shards: (data writer, publisher), and each outstanding shard's publish and requests, oldest first.
+        self._writers: tuple[ThreadPoolExecutor, ThreadPoolExecutor] | None = None
+        self._writing: deque[tuple[Future, dict[str, _Pending]]] = deque()
 
     @classmethod
     def validate_engine_options(cls, options: dict[str, str]) -> dict[str, Any]:
@@ -229,23 +181,31 @@ class FilesystemConsumer(CaptureConsumer):
         """Publish the shard still in memory; if that fails the buffer is kept, so a second close can retry."""
         self._flush()
         self.wait_written()
-        if self._writer is not None:
-            self._writer.shutdown()
-            self._writer = None
+        if self._writers is not None:
+            for writer in self._writers:
+                writer.shutdown()
+            self._writers = None
 
-    def wait_written(self) -> None:
-        """Wait until the shard handed to the writer is published. If its publish failed, its requests go back
-        to the front of the buffer (the next shard, or a second close, retries them) and the error is raised."""
-        if self._writing is None:
-            return
-        (publish, batch, buffers), self._writing = self._writing, None
-        try:
-            publish.result()
-        except BaseException:
-            self._pending = {**batch, **self._pending}
-            self._memory.not_written(buffers)
-            raise
-        self._memory.written(buffers)
+    def wait_written(self, keep: int = 0) -> None:
+        """Wait until at most ``keep`` shards are with the writers. If one failed, its requests and those of
+        every shard after it (which it stopped) go back to the front of the buffer, in order (the next shard,
+        or a second close, retries them), and its error is raised."""
+        while len(self._writing) > keep:
+            published, batch = self._writing[0]
+            try:
+                published.result()
+            except BaseException:
+                failed, self._writing = self._writing, deque()
+                for later, _ in failed:
+                    later.exception()  # stopped by the failure: let it finish before its requests are retried
+                self._pending = {key: p for _, shard in failed for key, p in shard.items()} | self._pending
+                raise
+            self._writing.popleft()
+
+    def _let_go_of_written(self) -> None:
+        """Drop the rows of shards already published (failures stay for ``wait_written`` to raise)."""
+        while self._writing and self._writing[0][0].done() and self._writing[0][0].exception() is None:
+            self._writing.popleft()
 
     # -- placement and collisions ------------------------------------------------------------------------------
 
@@ -355,13 +315,12 @@ class FilesystemConsumer(CaptureConsumer):
     def _write_sharded(self, base: str, key: str, tensors: dict[str, torch.Tensor],
                        meta: dict[str, Any]) -> dict[str, Any]:
         """Buffer a request (or a part of one) as the tensors ``<key>/<site>`` of the next shard."""
-        sizes = [t.numel() * t.element_size() for t in tensors.values()]
-        # As laid out in shard memory, so that a request that fits the shard fits its buffer.
-        nbytes = sum(map(_aligned, sizes))
+        self._let_go_of_written()
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         if self._pending and self._pending_bytes + nbytes > self.shard_bytes:
             self._flush()
         shard = _shard_path(self.root, self._next_shard)
-        self._pending[key] = _Pending(self._memory.copy_in(tensors, self.shard_bytes), meta, nbytes)
+        self._pending[key] = _Pending(tensors, meta, nbytes)
         if self._pending_bytes >= self.shard_bytes:
             try:
                 self._flush()
@@ -377,7 +336,7 @@ class FilesystemConsumer(CaptureConsumer):
             "pending": True,  # in the buffer, or in the writer's hands: durable once its index line is appended
             "path": str(shard),
             "files": [str(shard)],
-            "bytes": sum(sizes),
+            "bytes": nbytes,
         }
 
     @property
@@ -385,25 +344,50 @@ class FilesystemConsumer(CaptureConsumer):
         return sum(p.nbytes for p in self._pending.values())
 
     def _flush(self) -> None:
-        """Hand the buffered requests to the writer as the next shard, once the shard before it is published
-        (raising, with its requests back in the buffer, if that failed)."""
-        self.wait_written()
+        """Hand the buffered requests to the writers as the next shard, once fewer than ``WRITER_DEPTH`` shards
+        are with them (raising, with the failed shards' requests back in the buffer, if one failed)."""
+        self.wait_written(keep=WRITER_DEPTH - 1)
         if not self._pending:
             return
         shard = _shard_path(self.root, self._next_shard)
         self._next_shard += 1
         batch, self._pending = self._pending, {}
-        if self._writer is None:
-            self._writer = ThreadPoolExecutor(1, thread_name_prefix="vllm-interp-shard-writer")
-        self._writing = (self._writer.submit(_publish_shard, shard, batch), batch, self._memory.hand_over())
+        if self._writers is None:
+            self._writers = (ThreadPoolExecutor(1, thread_name_prefix="vllm-interp-shard-writer"),
+                             ThreadPoolExecutor(1, thread_name_prefix="vllm-interp-shard-publisher"))
+        data_writer, publisher = self._writers
+        records = [{**p.meta, "shard": shard.name} for p in batch.values()]
+        written = data_writer.submit(_write_shard, shard, batch, records)
+        before = self._writing[-1][0] if self._writing else None
+        self._writing.append((publisher.submit(_publish_shard, shard, written, before, records), batch))
 
 
-def _publish_shard(shard: Path, batch: dict[str, _Pending]) -> None:
-    """Publish one shard of requests, then append their index lines (the lines declare complete data)."""
+# Shards with the writers before a rollover waits: one's data is written while the one before it is synced and
+# published (an fsync and a rename the data writer would otherwise wait out with the disk idle).
+WRITER_DEPTH = 2
+
+
+def _write_shard(shard: Path, batch: dict[str, _Pending], records: list[dict[str, Any]]) -> Path:
+    """Write one shard of requests to a temporary file beside it (returned; removed if the write fails)."""
     _make_dirs(shard.parent)
     tensors = {f"{key}/{site}": t for key, p in batch.items() for site, t in p.tensors.items()}
-    records = [{**p.meta, "shard": shard.name} for p in batch.values()]
-    _publish(shard, _safetensors_writer(tensors, {"layout": "sharded", "requests": records}))
+    tmp = _temp_name(shard)
+    try:
+        _safetensors_writer(tensors, {"layout": "sharded", "requests": records})(tmp)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp
+
+
+def _publish_shard(shard: Path, written: Future, before: Future | None, records: list[dict[str, Any]]) -> None:
+    """Publish a written shard, then append its requests' index lines (the lines declare complete data);
+    not if the shard before it failed (the publisher runs shards in order: ``before`` has finished)."""
+    tmp = written.result()
+    if before is not None and before.exception() is not None:
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"{shard.name}: not published, as the shard before it failed")
+    _install([(tmp, shard)])
     _append_lines(shard.parent / INDEX_NAME, records)
 
 
@@ -590,18 +574,36 @@ def _publish(path: Path, write: Callable[[Path], None]) -> None:
 def _publish_all(files: list[tuple[Path, Callable[[Path], None]]]) -> None:
     """Publish files of one directory: each written and fsynced under a temporary name, then all renamed,
     then the directory fsynced once (one directory sync per request instead of one per file)."""
-    temps = [path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp") for path, _ in files]
+    temps = [_temp_name(path) for path, _ in files]
     try:
         for tmp, (_, write) in zip(temps, files, strict=True):
             write(tmp)
             _fsync_path(tmp)
-        for tmp, (path, _) in zip(temps, files, strict=True):
-            os.replace(tmp, path)
     except BaseException:
         for tmp in temps:
             tmp.unlink(missing_ok=True)
         raise
-    for directory in {path.parent for path, _ in files}:
+    _install([(tmp, path) for tmp, (path, _) in zip(temps, files, strict=True)], synced=True)
+
+
+def _temp_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+
+
+def _install(moves: list[tuple[Path, Path]], synced: bool = False) -> None:
+    """Rename written temporary files into place, fsynced first (unless ``synced``), then fsync their
+    directories: each file appears complete or not at all, and durably. The temps are removed on failure."""
+    try:
+        if not synced:
+            for tmp, _ in moves:
+                _fsync_path(tmp)
+        for tmp, path in moves:
+            os.replace(tmp, path)
+    except BaseException:
+        for tmp, _ in moves:
+            tmp.unlink(missing_ok=True)
+        raise
+    for directory in {path.parent for _, path in moves}:
         _fsync_path(directory)
 
 
