@@ -26,6 +26,7 @@ Reported: throughput and TPOT of each phase against ``plain`` of the same round,
 burst against that ``plain`` (run before the bursts), the bytes of rows each capturing phase captured and their
 rate, how its capturing steps read (inside replayed CUDA graphs or eagerly, and how many as a steady batch's: the
 worker's ``interp_capture_steps``, through vLLM's dev-mode ``/collective_rpc``, which the server is started with),
+how many blocks torch's pinned cache pinned afresh during the phase (and the ms that took) and unpinned,
 the bytes of the sink's shards (each sink phase's deleted once counted, so that long runs fit the disk), the
 server processes' peak resident memory, the server's busiest threads' time on a CPU and waiting for one in each
 phase (Linux's scheduler statistics: a forward thread that is neither is blocked, on a lock, the device or I/O),
@@ -105,7 +106,7 @@ class Phase:
     name: str
     stats: RunStats
     captured_bytes: int = 0  # rows x hidden x dtype size of every capturing request
-    steps: dict[str, int] | None = None  # how its capturing steps read (``capture_steps``), during the phase
+    steps: dict[str, float] | None = None  # how its capturing steps read, pinned counts (``capture_steps``)
     interval_ms: float | None = None  # the engine's switch interval over the phase (``--switch-intervals-ms``)
 
     @property
@@ -148,8 +149,9 @@ class RssWatch(threading.Thread):
                 self.peak[name] = max(self.peak.get(name, 0.0), mb)
 
 
-def capture_steps(url: str) -> dict[str, int]:
-    """The worker's counts of capturing steps so far (rank 0's: every rank reads the same rows)."""
+def capture_steps(url: str) -> dict[str, float]:
+    """The worker's counts of capturing steps and pinned blocks so far (rank 0's: every rank reads the same
+    rows)."""
     return worker_call(url, "interp_capture_steps")
 
 
@@ -230,8 +232,8 @@ def report(args: argparse.Namespace, phases: list[Phase], rates: list[tuple[floa
              "unpacking and conversion there; `vllm_interp/server/metrics.py`)", "",
              "| round | phase | TTFT ms | TPOT ms | last gap ms | results wait / prepare ms | tok/s | "
              "throughput / plain | TPOT / plain | TTFT / plain | captured MB | captured MB/s | "
-             "capturing steps graph / eager / steady | errors |",
-             "|" + "---|" * 14]
+             "capturing steps graph / eager / steady | pinned afresh / ms / unpinned | errors |",
+             "|" + "---|" * 15]
     summary: dict[str, list[tuple[float | None, ...]]] = {}
     for phase in phases:  # warm-up rounds (negative) are listed, not summarised
         base = next(p.stats for p in phases if p.round_index == phase.round_index and p.name == "plain"
@@ -245,11 +247,13 @@ def report(args: argparse.Namespace, phases: list[Phase], rates: list[tuple[floa
         sink = f"{captured:.0f} | {captured / s.wall_s:.0f}" if captured else "- | -"
         results = " / ".join(fmt(s.engine_ms.get(label)) for label in RESULTS_METRICS)
         steps = " / ".join(str(phase.steps[k]) for k in ("graph", "eager", "steady")) if phase.steps else "-"
+        pinned = (" / ".join(fmt(phase.steps[k]) for k in ("pinned", "pinned_ms", "unpinned"))
+                  if phase.steps and "pinned" in phase.steps else "-")
         label = phase.round_index if phase.round_index >= 0 else "warm-up"
         lines.append(f"| {label} | {phase.label} | {fmt(s.ttft_ms())} | {fmt(s.tpot_ms(), 2)} | "
                      f"{fmt(s.last_gap_ms())} | {results} | {s.throughput():.0f} | "
                      + " | ".join(fmt(r, 3) for r in ratios)
-                     + f" | {sink} | {steps} | {s.errors} |")
+                     + f" | {sink} | {steps} | {pinned} | {s.errors} |")
     lines += ["", "Median over rounds (against `plain` of the same round):", "",
               "| phase | throughput | TPOT | TTFT |", "|---|---|---|---|"]
     for name, rows in summary.items():

@@ -295,6 +295,32 @@ def test_close_drains_the_queue_then_closes_the_consumer(make_runner):
     assert consumer.closed == 1
 
 
+class ThreadCountConsumer(GatedConsumer):
+    """Answers with torch's thread count on the thread that consumes."""
+
+    def consume(self, capture: RequestCapture) -> dict[str, Any]:
+        return {"threads": torch.get_num_threads()}
+
+
+def test_a_runner_copies_on_one_torch_thread_and_leaves_the_engines_count_alone():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # an engine count the runner's differs from, even on a one-core machine
+    try:
+        runner = ConsumerRunner(InThread(ThreadCountConsumer(context())), policy="block", queue_bytes=1 << 20)
+        capture = make_capture("req-0")
+        result = runner.submit(PendingCapture.of(capture), base_result(capture)).result(WAIT_S)
+        runner.close()
+        later: list[int] = []
+        started_later = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+        started_later.start()
+        started_later.join(WAIT_S)
+        assert result.result == {"threads": 1}
+        assert torch.get_num_threads() == 2, "the thread that started the runner lost its count"
+        assert later == [2], "a thread started after the runner begins with the runner's count"
+    finally:
+        torch.set_num_threads(before)
+
+
 # -- the inline consumer ----------------------------------------------------------------------------------
 
 

@@ -74,21 +74,6 @@ def test_an_arena_that_cannot_be_pinned_leaves_every_block_to_fresh_pinned_memor
     assert "no pinned arena of 4 MiB" in caplog.text
 
 
-def test_torchs_pinned_cache_is_emptied_after_a_large_fresh_block_only_once_none_of_ours_is_live():
-    """Emptying the cache while a burst's step blocks are live threw them all away, to be pinned afresh."""
-    emptied = []
-    fresh = host_copies.FreshPinned(lambda: emptied.append(True))
-    large = fresh.took(host_copies.PINNED_CACHED_MAX_BYTES + 1)
-    step = fresh.took(4 << 20)
-    large()
-    assert not emptied and fresh.live == 1  # a step block still in flight: not yet
-    step()
-    assert emptied == [True] and not fresh.empty_wanted
-    for _ in range(3):  # small blocks alone never empty it
-        fresh.took(4 << 20)()
-    assert emptied == [True]
-
-
 def test_a_cpu_engines_small_blocks_land_whole_and_large_ones_split_per_request(monkeypatch):
     """A small block is read through views (no copy on the forward thread; a request keeps at most
     WHOLE_MAX_BYTES of others' rows alive); a large one is split into each request's own memory."""

@@ -1,7 +1,8 @@
 """Blocks leave the device intact: large ones through the pinned arena, several in flight at once, landed in
-order, each split per request; small ones whole, each copy's event recorded on the stream it was queued on and
-reused once landed; none overwritten by a later block's copy or by the device's later writes; blocks held for
-requests that take parts stay intact while viewed."""
+order, each split per request (or, the arena full, pinned on their own and unpinned after); small ones whole,
+each copy's event recorded on the stream it was queued on and reused once landed; none overwritten by a later
+block's copy or by the device's later writes; blocks held for requests that take parts stay intact while
+viewed."""
 
 import pytest
 import torch
@@ -32,6 +33,23 @@ def test_large_blocks_land_intact_through_the_arena():
     for _, copy in in_flight:  # as the store lands every copy: their regions go back
         copy.wait()
     assert not host_copies.ARENA._regions
+
+
+def test_a_large_block_the_arena_has_no_room_for_is_pinned_on_its_own_and_unpinned_after(monkeypatch):
+    """Outside torch's pinned cache: the cache's blocks (a burst's step blocks) stay cached for the next burst."""
+    monkeypatch.setattr(host_copies.ARENA, "take", lambda nbytes: None)  # a full arena
+    sites, hidden = 4, 2048
+    rows = PINNED_CACHED_MAX_BYTES // (sites * hidden * 2) + 64
+    device_block = torch.full((sites, rows, hidden), 7, dtype=torch.bfloat16, device="cuda")
+    cached_before = torch.cuda.host_memory_stats().get("num_host_alloc", 0)
+    copy = SplitCopy([(0, 1), (1, rows)], device_block)
+    pinned = copy._pinned
+    assert pinned.is_pinned()
+    device_block.fill_(-1)
+    copy.wait()
+    assert bool((copy.parts[1] == 7).all()) and copy.parts[1].shape == (sites, rows - 1, hidden)
+    assert not pinned.is_pinned()  # unpinned once copied out of
+    assert torch.cuda.host_memory_stats().get("num_host_alloc", 0) == cached_before
 
 
 def test_small_blocks_land_intact_from_the_stream_they_were_copied_on():

@@ -29,7 +29,7 @@ import os
 import tempfile
 import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -47,6 +47,13 @@ logger = logging.getLogger(__name__)
 
 OverloadPolicy = Literal["block", "drop", "spill"]
 BLOCK_TIMEOUT_S = 60.0
+# Torch's thread count on a runner thread. Its copies (a request's rows gathered into the consumer's block, an
+# in-thread consumer's work) are off the forward path and need no more: at a thread per core, torch splits each
+# large copy across the engine process's intra-op pool, whose threads then spin for work on the cores the
+# forward loop and the consumer's process need (H200 host, a sink phase of every-token capture: the engine's
+# other threads waited 539 ms for a CPU at 16, 2 ms at 1; the sink 0.37-0.41 of plain throughput against
+# 0.42-0.50, two servers one after the other). vLLM gives its multi-GPU workers one thread for the same reason.
+RUNNER_TORCH_THREADS = 1
 
 
 class ForwardGate:
@@ -118,9 +125,8 @@ class ConsumerRunner:
         self._queued = 0
         self._spills = 0
         self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name=f"vllm-interp-capture-{host.context.name}",
-                                        daemon=True)
-        self._thread.start()
+        self._thread = _start_with_torch_threads(self._run, RUNNER_TORCH_THREADS,
+                                                 name=f"vllm-interp-capture-{host.context.name}")
 
     def part_bytes(self, request_options: dict[str, Any]) -> int:
         """The size of the parts a request with these consumer options is handed on in (0: whole)."""
@@ -223,3 +229,25 @@ class ConsumerRunner:
                        job.capture.meta.request_id, message)
         return ConsumerResult.failed(message, dropped=job.result.rows)
 
+
+
+def _start_with_torch_threads(target: Callable[[], None], threads: int, name: str) -> threading.Thread:
+    """Start a daemon thread that runs ``target`` with torch at ``threads`` intra-op threads, leaving every
+    other thread's count, and the count threads started later begin with, as they were. Torch keeps a
+    thread's count per thread (OpenMP's), set from a process-wide default on the thread's first query;
+    ``torch.set_num_threads`` sets both. So the new thread settles its own count before it changes it, and
+    this one then sets the default back (tests/capture/test_dispatch.py checks all three)."""
+    engine_threads = torch.get_num_threads()  # settles this thread's own count first
+    ready = threading.Event()
+
+    def run() -> None:
+        torch.get_num_threads()
+        torch.set_num_threads(threads)
+        ready.set()
+        target()
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    ready.wait()
+    torch.set_num_threads(engine_threads)
+    return thread

@@ -26,13 +26,14 @@ The store polls the events at later steps, on the forward thread, and lands each
   gathers read it there; the memory goes back (to torch's pinned cache, or to the arena) once the last of them is
   done with it, on the forward thread when it next copies or lands blocks (``_PinnedOwner``). Splitting those blocks
   was 19% of the forward thread's samples in a sink burst on an H200 host (every token of 64 requests at 16 sites,
-  2.1 GB). Torch's cache then holds up to about a part per request of pinned memory after such a burst, for the next
-  one. A block in the arena is held so only for readers that cut their parts at the next step, the others' rows
-  copied out of it when it lands (the store decides, ``takes_arena``; ``WholeCopy.copies_of``): the ring waits for
-  its oldest region.
+  2.1 GB). Torch's cache then holds the pinned memory of such a burst (the step blocks its queued and
+  unfinished parts held at once) for the next one: it is never emptied. A block in the arena is held so only
+  for readers that cut their parts at the next step, the others' rows copied out of it when it lands (the store
+  decides, ``takes_arena``; ``WholeCopy.copies_of``): the ring waits for its oldest region.
 
 Blocks over ``PINNED_CACHED_MAX_BYTES`` are copied into ``PinnedArena``, pinned memory kept for them and used
-as a ring, rather than into fresh pinned memory each time.
+as a ring, rather than into fresh pinned memory each time; one the ring has no room for is pinned on its own
+and unpinned once copied out of (``pinned_on_its_own``), never through torch's cache.
 
 No thread takes part. A copier thread used to land large blocks: first copying them itself from a stream of
 its own into pageable memory, which made every CUDA call of the forward thread about ten times slower on an
@@ -49,6 +50,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import numpy as np
 import torch
@@ -191,7 +193,7 @@ class _PinnedOwner:
     that array (or from a tensor made of it) refers to the array in turn. Once the last view is gone, on
     whichever thread drops it, the memory and ``release`` are queued for the forward thread, which gives them
     back when it next copies or lands blocks (``give_back_dropped``): freeing pinned memory that a copy used
-    records a CUDA event in torch's pinned cache (and a large block's ``release`` may empty it, ``FreshPinned``), and
+    records a CUDA event in torch's pinned cache (and a large block's ``release`` unpins it), and
     CUDA calls from a consumer's thread slow every CUDA call of the forward thread (see the module
     docstring)."""
 
@@ -218,20 +220,48 @@ def give_back_dropped() -> None:
 def start_pinned_copy(block: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event, Callable[[], None]]:
     """Queue a copy of ``block`` into pinned host memory on the current stream, without waiting; returns the
     host tensor, an event that completes when it has landed, and what to call once the host tensor has been
-    copied out of (its memory and the event are then reused). A large block goes to the arena, when it has room."""
+    copied out of (its memory and the event are then reused). A large block goes to the arena when it has room,
+    else to memory pinned for it alone (``pinned_on_its_own``); the others to torch's pinned cache."""
     give_back_dropped()  # first, so that a block reuses what was given back
     nbytes = _nbytes(block)
     taken = ARENA.take(nbytes) if takes_arena(block) else None
     if taken is not None:
         memory, release = taken
         pinned = memory.view(block.dtype).view(block.shape)
+    elif takes_arena(block):
+        pinned, release = pinned_on_its_own(block.shape, block.dtype)
     else:
-        pinned = torch.empty(block.shape, dtype=block.dtype, pin_memory=True)
-        release = FRESH_PINNED.took(nbytes)
+        pinned, release = torch.empty(block.shape, dtype=block.dtype, pin_memory=True), _nothing
     pinned.copy_(block, non_blocking=True)
     event = _EVENTS.pop() if _EVENTS else torch.cuda.Event()
     event.record(_current_stream(block.get_device()))
     return pinned, event, partial(_landed, event, release)
+
+
+def _nothing() -> None:
+    """A block of torch's pinned cache goes back to it when its last view is gone: nothing else to do."""
+
+
+def pinned_on_its_own(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, Callable[[], None]]:
+    """Ordinary memory pinned for one large block (one the arena has no room for, a long prompt's eager
+    prefill), outside torch's pinned cache, and what unpins it. Torch keeps what it pins cached for good,
+    rounded up to a power of two, and the only way to give a block of it back is to empty the whole cache.
+    Emptying it whenever none of our cached blocks was live, after such a block, threw away the step blocks
+    of the burst, which the next steps then pinned afresh (H200 host, a sink phase of every-token capture
+    after a warm-up one, py-spy: emptying 150 and pinning 454 of the forward thread's 2,257 samples; so
+    torch's cache is never emptied now). The memory stays allocated until it is unpinned (``release`` holds
+    it), so no other allocation can reuse it while pinned."""
+    host = torch.empty(shape, dtype=dtype)
+    cudart = torch.cuda.cudart()
+    status = cudart.cudaHostRegister(host.data_ptr(), _nbytes(host), 0)
+    if status != cudart.cudaError.success:
+        raise RuntimeError(f"could not pin {_nbytes(host) >> 20} MiB for a capture block: "
+                           f"{cudart.cudaGetErrorString(status)}")
+    return host, partial(_unpin, cudart, host)
+
+
+def _unpin(cudart: Any, host: torch.Tensor) -> None:
+    cudart.cudaHostUnregister(host.data_ptr())
 
 
 # Events whose copies have landed, recorded again for later ones: a fresh event per step costs creating and
@@ -258,45 +288,12 @@ def _landed(event: torch.cuda.Event, release: Callable[[], None]) -> None:
     release()
 
 
-class FreshPinned:
-    """Blocks copied into fresh pinned memory from torch's cache, and when that cache is emptied. Torch keeps
-    pinned blocks cached for good, rounded up to a power of two, so what a rare large block (a long prompt's
-    eager prefill, one the arena had no room for) took is given back instead of held locked: once no block of
-    ours is live in the cache. Emptying it mid-burst threw away every cached block of the steps in flight, which
-    the next steps then pinned afresh (a sink burst of 256 every-token requests on an H200 host: 19% of the
-    forward thread's samples pinning and emptying)."""
-
-    def __init__(self, empty_cache: Callable[[], None] | None = None) -> None:
-        # A private name, present in the pinned torch 2.11.
-        self._empty_cache = empty_cache or torch._C._host_emptyCache
-        self._lock = threading.Lock()  # released on the forward thread; a lock all the same, as the arena's
-        self.live = 0
-        self.empty_wanted = False
-
-    def took(self, nbytes: int) -> Callable[[], None]:
-        """Count a block taken from torch's cache; returns what to call once it was copied out and dropped."""
-        with self._lock:
-            self.live += 1
-        return partial(self._let_go, nbytes)
-
-    def _let_go(self, nbytes: int) -> None:
-        with self._lock:
-            self.live -= 1
-            self.empty_wanted = self.empty_wanted or nbytes > PINNED_CACHED_MAX_BYTES
-            if self.empty_wanted and not self.live:
-                self._empty_cache()
-                self.empty_wanted = False
-
-
-FRESH_PINNED = FreshPinned()
-
-
 class PinnedArena:
     """Pinned host memory that large blocks are copied into in turn, as a ring: blocks land in the order they
     were copied, and each is given back once copied out of (split, or whole) or, held where it landed, once the
     last view of it is gone, so the oldest is usually the next to go (the ring waits for it).
 
-    A large block in fresh pinned memory costs pinning it (and giving it back after, see ``FreshPinned``): in a
+    A large block in fresh pinned memory costs pinning it (and unpinning it after, ``pinned_on_its_own``): in a
     burst of every-token captures, whose prefill steps make blocks of hundreds of MiB, that was 112 of the
     forward thread's 1,169 samples on an H200 host, and keeping those blocks in torch's cache instead was worse
     (289: the blocks' sizes vary, and its power-of-two rounding pinned ever new ones). The arena is allocated

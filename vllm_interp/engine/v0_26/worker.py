@@ -11,6 +11,7 @@ import json
 import sys
 from typing import Any
 
+import torch
 from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank
 from vllm.model_executor.models.utils import PPMissingLayer
 from vllm.v1.worker.gpu_worker import Worker
@@ -114,10 +115,16 @@ class InterpWorkerMixin:
     def interp_describe_sites(self) -> dict[str, Any]:
         return {**self.model_runner.interp_store.bank.descriptor(), "runner": self.interp_runner}
 
-    def interp_capture_steps(self) -> dict[str, int]:
+    def interp_capture_steps(self) -> dict[str, float]:
         """How many steps read rows inside replayed CUDA graphs, how many ran eagerly to read them, and how many
-        of these were a steady batch's (planned and collected for the batch as a whole)."""
-        return dict(self.model_runner.interp_store.read_steps)
+        of these were a steady batch's (planned and collected for the batch as a whole); on a GPU, also how many
+        blocks torch's pinned cache (where captured rows land) pinned afresh, in how many ms, and unpinned."""
+        counts: dict[str, float] = dict(self.model_runner.interp_store.read_steps)
+        if torch.cuda.is_available():
+            stats = torch.cuda.host_memory_stats()
+            counts.update(pinned=stats.get("num_host_alloc", 0), unpinned=stats.get("num_host_free", 0),
+                          pinned_ms=stats.get("host_alloc_time.total", 0) / 1000)
+        return counts
 
     def interp_switch_interval(self, ms: float | None = None) -> float:
         """Python's switch interval in this worker's process, in ms, after setting it to ``ms`` where given: the
