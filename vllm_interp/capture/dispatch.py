@@ -230,7 +230,6 @@ class ConsumerRunner:
         return ConsumerResult.failed(message, dropped=job.result.rows)
 
 
-
 def _start_with_torch_threads(target: Callable[[], None], threads: int, name: str) -> threading.Thread:
     """Start a daemon thread that runs ``target`` with torch at ``threads`` intra-op threads, leaving every
     other thread's count, and the count threads started later begin with, as they were. Torch keeps a

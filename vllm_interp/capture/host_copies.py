@@ -223,12 +223,12 @@ def start_pinned_copy(block: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Eve
     copied out of (its memory and the event are then reused). A large block goes to the arena when it has room,
     else to memory pinned for it alone (``pinned_on_its_own``); the others to torch's pinned cache."""
     give_back_dropped()  # first, so that a block reuses what was given back
-    nbytes = _nbytes(block)
-    taken = ARENA.take(nbytes) if takes_arena(block) else None
+    large = takes_arena(block)
+    taken = ARENA.take(_nbytes(block)) if large else None
     if taken is not None:
         memory, release = taken
         pinned = memory.view(block.dtype).view(block.shape)
-    elif takes_arena(block):
+    elif large:
         pinned, release = pinned_on_its_own(block.shape, block.dtype)
     else:
         pinned, release = torch.empty(block.shape, dtype=block.dtype, pin_memory=True), _nothing
