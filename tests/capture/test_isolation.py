@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import signal
+import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -126,18 +127,41 @@ def test_blocks_are_reused_and_rows_are_never_stale():
         host.close()
 
 
-def test_a_burst_of_large_requests_leaves_no_large_blocks_behind():
+def test_a_small_request_leaves_the_large_spare_for_the_next_large_one():
+    """A bulk sink's parts come in sizes from a small final part to a prompt's chunk: each takes a spare that
+    serves it, and a small one neither throws away nor resizes the large spare a later large part needs."""
     host = InProcess(LoggingConsumer, context("logging", **LoggingConsumer.validate_engine_options({})))
     try:
-        rows = PendingCapture.of(summaries(capture("large", positions=300_000)))
-        large = host.submit(rows)
+        def submit_settled(name: str, positions: int) -> None:
+            host.submit(PendingCapture.of(summaries(capture(name, positions=positions))))
+            host.settle()
+
+        submit_settled("large", 300_000)
+        big_block = host._spare[0]
+        assert big_block.size == 12 << 20
+        submit_settled("small", 5)
+        assert sorted(b.size for b in host._spare) == [2 << 20, 12 << 20] and host.blocks_made == 2
+        submit_settled("large-again", 290_000)
+        assert host.blocks_made == 2 and big_block in host._spare and big_block.size == 12 << 20
+        assert not leftover_blocks(host)
+    finally:
+        host.close()
+
+
+def test_spares_past_their_limit_are_given_up_oldest_first(monkeypatch):
+    """A burst of large requests leaves no more than ``SPARE_MAX_BYTES`` of blocks behind."""
+    monkeypatch.setattr(isolation, "SPARE_MAX_BYTES", 8 << 20)
+    host = InProcess(LoggingConsumer, context("logging", **LoggingConsumer.validate_engine_options({})))
+    try:
+        futures = [host.submit(PendingCapture.of(summaries(capture(f"req-{i}", positions=100_000))))
+                   for i in range(PIPELINE_DEPTH)]  # all in flight: a block each (4 MiB), answered together
+        blocks = [block for _, _, block in host._in_flight]
         host.settle()
-        assert large.result()["rows"] == 600_000 and [b.size for b in host._spare] == [12 << 20] == [
-            isolation._block_size(rows.nbytes)]
-        big_block = host._spare[0].path
-        host.submit(PendingCapture.of(summaries(capture("small"))))
-        host.settle()
-        assert [b.size for b in host._spare] == [2 << 20] and not os.path.exists(big_block)
+        assert all(future.result()["rows"] == 200_000 for future in futures)
+        assert host._spare == blocks[-2:] and not any(os.path.exists(b.path) for b in blocks[:-2])
+        host.submit(PendingCapture.of(summaries(capture("larger", positions=300_000))))
+        host.settle()  # its 12 MiB block is over the limit alone
+        assert host._spare == blocks[-2:] and host.blocks_made == PIPELINE_DEPTH + 1
         assert not leftover_blocks(host)
     finally:
         host.close()
@@ -321,6 +345,31 @@ def test_requests_are_handed_on_before_the_child_answers_and_answered_in_order()
             host.close()
 
 
+def test_large_requests_with_large_answers_in_flight_do_not_wait_on_each_other():
+    """A 100,000-position request's metadata and its ``logging`` answer both outgrow the socket's buffer: the
+    worker sending the next request while the child sends an answer must not leave both waiting for good."""
+    host = InProcess(LoggingConsumer, context("logging", **LoggingConsumer.validate_engine_options({})))
+    futures = []
+
+    def submit_all() -> None:
+        futures.extend(host.submit(PendingCapture.of(summaries(capture(f"long-{i}", positions=100_000))))
+                       for i in range(PIPELINE_DEPTH + 1))
+        host.settle()
+
+    submitting = threading.Thread(target=submit_all, daemon=True)
+    submitting.start()
+    submitting.join(WAIT_S)
+    try:
+        assert not submitting.is_alive(), "the worker and its consumer's process wait on each other"
+        assert [future.result()["rows"] for future in futures] == [200_000] * (PIPELINE_DEPTH + 1)
+    finally:
+        if submitting.is_alive():
+            host._process.kill()  # frees the worker's send, so the thread ends
+            submitting.join(WAIT_S)
+        else:
+            host.close()
+
+
 def test_a_child_whose_worker_is_gone_publishes_its_buffered_shard(tmp_path):
     """The socket closing (the worker died) makes the child close its consumer: a sharded layout's buffer is
     published rather than lost."""
@@ -358,7 +407,7 @@ def test_no_room_in_shared_memory_fails_only_that_request(monkeypatch):
 
         monkeypatch.setattr(os, "posix_fallocate", full)
         failed = submit(runner, summaries(capture("req-1")))
-        assert failed.status == "error" and "no room for 0 MiB of rows" in failed.message
+        assert failed.status == "error" and "no room for a 2 MiB block of rows" in failed.message
         assert "No space left" in failed.message
         monkeypatch.setattr(os, "posix_fallocate", real)
         assert submit(runner, summaries(capture("req-2"))).status == "ok"

@@ -7,21 +7,29 @@ built-in ``filesystem`` consumer) the consumer lives in a child process: the run
 request's rows straight into a shared-memory block (a file in ``/dev/shm``, its space reserved before it is
 mapped so a full ``/dev/shm`` is an error, never a bus fault), sends the metadata and the block's path over a
 socket, and goes on to the next request while the child works (up to ``PIPELINE_DEPTH`` requests in flight,
-answered in order). The child maps the block, calls ``consume``, and answers; its ``close`` runs at
+answered in order). The child maps the block, calls ``consume``, and answers from a thread of its own, so
+that it goes on reading the worker's next request while a large answer is sent (a request's positions and a
+``logging`` answer's statistics both outgrow the socket's buffer at 100,000 positions: sending each from the
+reading thread, both processes waited on their sends for good). Its ``close`` runs at
 shutdown, or when the socket to the worker closes, so a sharded file layout still publishes what it buffered
 (not when the child is killed with the worker: ``vllm-interp serve`` gives the engine a grace period to close
 its consumers when stopped, engine/v0_26/serve.py).
 
 Blocks are reused, request after request, and stay mapped in both processes: a fresh block per request cost
 about what the disk's write of it costs (H100 host, a 34 MB request: 4 ms to reserve it and 17-20 ms of page
-faults to gather into it, against 6.5 ms into pages already mapped). A consumer may keep a request's tensors
-past ``consume`` (the ``sharded`` file layout buffers them until their shard is written): the child sees that
-the block is still referenced when ``consume`` returns and answers so, and the worker *lends* the block
-rather than reuse it. With every answer the child lists the lent blocks the consumer has since let go of, and
-the worker takes those back as spares, so kept rows cost neither a copy nor a fresh block. At most
-``MAX_LENT_BLOCKS`` are lent: past that the oldest is given up (its pages live on in the child until the
-consumer lets go). ``InThread`` tells a kept block the same way (``patch_source``, on the worker's thread,
-holds its sources) and gives such a consumer fresh memory.
+faults to gather into it, against 6.5 ms into pages already mapped). A request takes the smallest spare block
+that serves its size as it is, else a new block: a block is never resized, which would map it afresh in both
+processes, and spares are given up only past ``SPARE_MAX_BYTES``, oldest first. Giving up every spare over four
+times a small request's block, as the worker did, threw away the large blocks of a bulk sink's parts whenever
+a small final part came, and the next parts reserved, mapped and faulted in new ones (H200 host, a sink burst:
+sizing blocks took 218 of the runner thread's 1,749 samples, and unmapping given-up ones 119 of the child's).
+A consumer may keep a request's tensors past ``consume`` (the ``sharded`` file layout buffers them until their
+shard is written): the child sees that the block is still referenced when ``consume`` returns and answers so,
+and the worker *lends* the block rather than reuse it. With every answer the child lists the lent blocks the
+consumer has since let go of, and the worker takes those back as spares, so kept rows cost neither a copy nor
+a fresh block. At most ``MAX_LENT_BLOCKS`` are lent: past that the oldest is given up (its pages live on in
+the child until the consumer lets go). ``InThread`` tells a kept block the same way (``patch_source``, on the
+worker's thread, holds its sources) and gives such a consumer fresh memory.
 
 The child is started with ``subprocess`` (vLLM's worker processes are daemonic, and daemonic processes may
 not start ``multiprocessing`` children), builds its consumer from the pickled class and context, and reports
@@ -32,10 +40,12 @@ import logging
 import math
 import mmap
 import os
+import queue
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -64,6 +74,9 @@ BLOCK_GRAIN = 2 << 20  # blocks are sized in these steps, so requests of similar
 # Blocks a consumer may keep at once before the oldest is given up: a sharded layout holds three shards' parts
 # (one filling, two being written: 96 parts of 8 MiB at the default sizes), with room to spare.
 MAX_LENT_BLOCKS = 256
+# Spare blocks kept for later requests. Lent blocks come back a shard at a time (a sharded layout's 256 MiB of
+# parts at the default sizes), and the parts after it reuse them; a block over this is given up once answered.
+SPARE_MAX_BYTES = 512 << 20
 
 
 class ConsumerProcessError(RuntimeError):
@@ -87,6 +100,7 @@ class InThread:
         self.consumer = consumer
         self.context = consumer.context
         self.consumer_class = type(consumer)
+        self.blocks_made = 0  # memory made for requests' rows (the rest reused a spare)
         self._spare: np.ndarray | None = None
         self._reuse: bool | None = None  # unknown until its first request; False once it keeps rows
 
@@ -111,11 +125,11 @@ class InThread:
 
     def _memory_for(self, nbytes: int) -> np.ndarray:
         spare, self._spare = self._spare, None
-        if not self._reuse:  # unknown yet, or a consumer that keeps rows
-            return np.empty(nbytes, dtype=np.uint8)
-        if spare is not None and _serves(spare.size, nbytes):
+        if self._reuse and spare is not None and _serves(spare.size, nbytes):
             return spare
-        return np.empty(_block_size(nbytes), dtype=np.uint8)
+        self.blocks_made += 1
+        # Exactly sized until reuse is known to be safe (and for a consumer that keeps rows).
+        return np.empty(_block_size(nbytes) if self._reuse else nbytes, dtype=np.uint8)
 
     def settle(self) -> None:
         """Nothing is ever outstanding here."""
@@ -132,7 +146,8 @@ class InProcess:
         self.context = context
         self.consumer_class = cls
         self._in_flight: deque[tuple[Future, str, _SharedBlock | None]] = deque()  # (future, doing, its block)
-        self._spare: list[_SharedBlock] = []  # blocks the child answered for and let go of
+        self._spare: list[_SharedBlock] = []  # blocks the child answered for and let go of, oldest first
+        self.blocks_made = 0  # shared blocks made for requests' rows (the rest reused a spare)
         self._lent: dict[str, _SharedBlock] = {}  # blocks whose rows the consumer keeps, oldest first
         self._given_up: list[str] = []  # blocks removed since the last message: the child drops its mappings
         self._dir = Path(tempfile.mkdtemp(prefix=f"vllm-interp-{context.name}-",
@@ -177,23 +192,14 @@ class InProcess:
         return future
 
     def _block_for(self, nbytes: int) -> "_SharedBlock":
-        """A spare block (the smallest that holds ``nbytes``, else the largest, resized) or a new one. Spares
-        over four times the size a block for ``nbytes`` would have are given up (a burst of large requests
-        leaves no large blocks behind)."""
-        for oversized in [b for b in self._spare if b.size > 4 * _block_size(nbytes)]:
-            self._spare.remove(oversized)
-            self._give_up(oversized)
-        if self._spare:
-            fitting = [b for b in self._spare if b.size >= nbytes]
-            block = min(fitting, key=lambda b: b.size) if fitting else max(self._spare, key=lambda b: b.size)
+        """The smallest spare block that serves ``nbytes`` as it is (``_serves``), else a new one."""
+        serving = [block for block in self._spare if _serves(block.size, nbytes)]
+        if serving:
+            block = min(serving, key=lambda b: b.size)
             self._spare.remove(block)
-        else:
-            block = _SharedBlock(self._dir)
-        try:
-            block.fit(nbytes)
-        except BaseException:
-            self._give_up(block)
-            raise
+            return block
+        block = _SharedBlock(self._dir, _block_size(nbytes))
+        self.blocks_made += 1
         return block
 
     def _give_up(self, block: "_SharedBlock") -> None:
@@ -231,14 +237,27 @@ class InProcess:
             while len(self._lent) > MAX_LENT_BLOCKS:
                 self._give_up(self._lent.pop(next(iter(self._lent))))
         else:
-            self._spare.append(block)
+            self._keep_spare(block)
 
     def _take_back(self, paths: list[str]) -> None:
         """Lent blocks the consumer has let go of become spares (one given up since is not lent any more)."""
         for path in paths:
             block = self._lent.pop(path, None)
             if block is not None:
-                self._spare.append(block)
+                self._keep_spare(block)
+
+    def _keep_spare(self, block: "_SharedBlock") -> None:
+        """Keep ``block`` for a later request; past ``SPARE_MAX_BYTES`` of spares the oldest are given up (a block
+        over it alone at once)."""
+        if block.size > SPARE_MAX_BYTES:
+            self._give_up(block)
+            return
+        self._spare.append(block)
+        spare_bytes = sum(spare.size for spare in self._spare)
+        while spare_bytes > SPARE_MAX_BYTES:
+            oldest = self._spare.pop(0)
+            spare_bytes -= oldest.size
+            self._give_up(oldest)
 
     def close(self) -> None:
         try:
@@ -306,28 +325,16 @@ def consumer_host(cls: type[CaptureConsumer], context: ConsumerContext, isolatio
 class _SharedBlock:
     """A file of shared memory the worker keeps mapped and gathers request after request into."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, size: int) -> None:
         self.fd, self.path = tempfile.mkstemp(dir=directory)
-        self.size = 0
-        self._mapped: mmap.mmap | None = None
-
-    def fit(self, nbytes: int) -> None:
-        """Size the block for ``nbytes``: grown when smaller, shrunk when over four times larger."""
-        if _serves(self.size, nbytes):
-            return
-        size = _block_size(nbytes)
-        if size > self.size:
-            try:
-                # Reserve the pages first: a write through a mapping /dev/shm cannot back is a SIGBUS.
-                os.posix_fallocate(self.fd, 0, size)
-            except OSError as exc:
-                raise RuntimeError(f"no room for {nbytes >> 20} MiB of rows in {Path(self.path).parent}: "
-                                   f"{exc}") from None
-        else:
-            os.ftruncate(self.fd, size)
-        # The old mapping goes with its last view (the worker holds none between requests).
-        self._mapped = mmap.mmap(self.fd, size)
         self.size = size
+        try:
+            # Reserve the pages first: a write through a mapping /dev/shm cannot back is a SIGBUS.
+            os.posix_fallocate(self.fd, 0, size)
+        except OSError as exc:
+            self.release()
+            raise RuntimeError(f"no room for a {size >> 20} MiB block of rows in {directory}: {exc}") from None
+        self._mapped: mmap.mmap | None = mmap.mmap(self.fd, size)
 
     def tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         assert self._mapped is not None
@@ -346,7 +353,8 @@ def _block_size(nbytes: int) -> int:
 
 def _serves(size: int, nbytes: int) -> bool:
     """Whether a block of ``size`` bytes takes a request of ``nbytes`` as it is: large enough, and not over four
-    times the block the request would get (one large request does not hold its pages for good)."""
+    times the block the request would get (a small request does not hold a large block's pages, which a large
+    one may need while the consumer has it)."""
     return nbytes <= size <= 4 * _block_size(nbytes)
 
 
@@ -367,7 +375,7 @@ class _ChildBlocks:
 
     def view(self, path: str, size: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         mapped = self._mapped.get(path)
-        if mapped is None or len(mapped) != size:  # new, or resized by the worker since
+        if mapped is None:  # a block new to the child (the worker never resizes one)
             with open(path, "r+b") as f:
                 mapped = self._mapped[path] = mmap.mmap(f.fileno(), size)
         return _view(mapped, shape, dtype)
@@ -413,17 +421,45 @@ def _serve(conn: Connection) -> None:
         conn.send(("error", f"{type(exc).__name__}: {exc}", False, []))
         return
     conn.send(("ok", None, False, []))
-    blocks = _ChildBlocks()
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):
-            consumer.close()  # the worker is gone: publish what is buffered, nobody will ask again
-            return
-        if message[0] == "close":
-            conn.send((*_outcome(consumer.close), False, blocks.returned()))
-            return
-        conn.send((*_consume(consumer, blocks, *message[1:]), blocks.returned()))
+    blocks, answers = _ChildBlocks(), _Answers(conn)
+    try:
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                consumer.close()  # the worker is gone: publish what is buffered, nobody will ask again
+                return
+            if message[0] == "close":
+                answers.send((*_outcome(consumer.close), False, blocks.returned()))
+                return
+            answers.send((*_consume(consumer, blocks, *message[1:]), blocks.returned()))
+    finally:
+        answers.close()
+
+
+class _Answers:
+    """The child's answers, sent in order from a thread of their own (see the module docstring)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._queue: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._send_all, name="vllm-interp-answers", daemon=True)
+        self._thread.start()
+
+    def send(self, answer: tuple) -> None:
+        self._queue.put(answer)
+
+    def close(self) -> None:
+        """Send what is queued, then stop."""
+        self._queue.put(None)
+        self._thread.join()
+
+    def _send_all(self) -> None:
+        while (answer := self._queue.get()) is not None:
+            try:
+                self._conn.send(answer)
+            except OSError:  # the worker is gone: the reading thread sees it too, and stops
+                return
 
 
 def _outcome(call: Callable[..., Any], *args: Any) -> tuple[str, Any]:

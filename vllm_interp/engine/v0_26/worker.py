@@ -117,9 +117,13 @@ class InterpWorkerMixin:
 
     def interp_capture_steps(self) -> dict[str, float]:
         """How many steps read rows inside replayed CUDA graphs, how many ran eagerly to read them, and how many
-        of these were a steady batch's (planned and collected for the batch as a whole); on a GPU, also how many
-        blocks torch's pinned cache (where captured rows land) pinned afresh, in how many ms, and unpinned."""
-        counts: dict[str, float] = dict(self.model_runner.interp_store.read_steps)
+        of these were a steady batch's (planned and collected for the batch as a whole), and how many blocks of
+        memory the consumers' hosts made for requests' rows rather than reused (``capture.isolation``); on a GPU,
+        also how many blocks torch's pinned cache (where captured rows land) pinned afresh, in how many ms, and
+        unpinned."""
+        store = self.model_runner.interp_store
+        counts: dict[str, float] = dict(store.read_steps)
+        counts["blocks_made"] = sum(runner.host.blocks_made for runner in store.consumers.values())
         if torch.cuda.is_available():
             stats = torch.cuda.host_memory_stats()
             counts.update(pinned=stats.get("num_host_alloc", 0), unpinned=stats.get("num_host_free", 0),
