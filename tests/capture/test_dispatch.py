@@ -6,6 +6,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -135,6 +136,25 @@ def test_results_resolve_in_submission_order(make_runner):
     assert [r.result["request_id"] for r in results] == ["req-0", "req-1", "req-2", "req-3"]
     assert all(r.status == "ok" and r.rows == len(POSITIONS) * len(SITES) for r in results)
     assert [c.meta.request_id for c in consumer.seen] == ["req-0", "req-1", "req-2", "req-3"]
+
+
+def part_of(request_id: str, part: int, final: bool) -> RequestCapture:
+    capture = make_capture(request_id, seed=part)
+    return RequestCapture(replace(capture.meta, part=part, final=final), capture.tensors)
+
+
+def test_a_finished_requests_rows_go_ahead_of_running_requests_parts(make_runner):
+    """A request's final part (and its parts still queued, in order) is consumed before running requests'
+    parts queued earlier: its stream waits for its results, theirs do not. Whole requests keep their order."""
+    runner, consumer = make_runner(queue_bytes=64 << 20)
+    busy = occupy(runner, consumer, make_capture("busy"))
+    queued = [part_of("running", 0, False), part_of("ending", 0, False), part_of("running", 1, False),
+              part_of("whole-1", 0, True), part_of("ending", 1, True), part_of("whole-2", 0, True)]
+    futures = [runner.submit(PendingCapture.of(c), base_result(c)) for c in queued]
+    consumer.gate.set()
+    assert all(f.result(WAIT_S).status == "ok" for f in [busy, *futures])
+    assert [(c.meta.request_id, c.meta.part) for c in consumer.seen] == [
+        ("busy", 0), ("whole-1", 0), ("ending", 0), ("ending", 1), ("whole-2", 0), ("running", 0), ("running", 1)]
 
 
 def test_consumer_exception_fails_only_its_request(make_runner):
