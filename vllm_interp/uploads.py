@@ -36,14 +36,17 @@ def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return _pinned(array).to(device, non_blocking=True)
 
 
-def stack_to_device(arrays: Sequence[np.ndarray], device: torch.device) -> torch.Tensor:
-    """``np.stack(arrays)`` (one array or more) in float32 as a new tensor on ``device``: stacked straight into
-    the pinned block, one host copy of the data instead of two (a burst of 128 all-layer steering configs stacks
-    16 MiB)."""
+def rows_to_device(blocks: Sequence[np.ndarray], device: torch.device) -> torch.Tensor:
+    """The rows of ``blocks`` (each ``[rows, width]``), one after another, in float32 as a new ``[rows, width]``
+    tensor on ``device``: concatenated straight into the pinned block, one host copy of the data. A burst of 128
+    all-layer steering configs moves 16 MiB, as one block per config rather than one vector per site (numpy's
+    per-array work: 512 vectors of 2048 floats stacked took 0.6 ms on an H200 host)."""
     if device.type != "cuda":
-        return to_device(np.stack(arrays).astype(np.float32, copy=False), device)
-    host = torch.empty((len(arrays), *np.shape(arrays[0])), dtype=torch.float32, pin_memory=True)
-    np.stack(arrays, out=host.numpy())
+        return to_device(np.concatenate(blocks).astype(np.float32, copy=False), device)
+    width = blocks[0].shape[1]
+    rows = sum(block.shape[0] for block in blocks)
+    host = torch.empty((rows, width), dtype=torch.float32, pin_memory=True)
+    np.concatenate(blocks, out=host.numpy())
     return host.to(device, non_blocking=True)
 
 

@@ -12,7 +12,7 @@ from vllm_interp.hooks import ModelShape
 from vllm_interp.server.request_fields import RequestFieldsMiddleware
 from vllm_interp.steering.files import load_named_file, parse_named_file
 from vllm_interp.steering.state import SteeringState
-from vllm_interp.steering.vectors import SteeringError, SteeringVectors, validate_steering
+from vllm_interp.steering.vectors import SiteBlock, SteeringError, SteeringVectors, validate_steering
 
 SHAPE = ModelShape(num_layers=4, hidden_size=8)
 
@@ -41,6 +41,27 @@ def test_tiers_sum_and_digest_identifies_the_vectors():
     np.testing.assert_array_equal(total.phase_vectors("decode")["1.post_block"], np.ones(8))
     assert one.digest() == SteeringVectors.from_wire(one.to_wire()).digest() != two.digest()
     assert not SteeringVectors({"decode": {"1.post_block": np.ones(8, np.float32)}}).affects_prefill
+
+
+def test_the_wire_carries_a_tier_as_one_block_that_the_worker_reads_in_place():
+    """A tier travels as its site names and one buffer of their vectors; decoded, it is a ``SiteBlock`` whose
+    matrix views that buffer (a table write copies it once), with every site's vector as it was sent."""
+    vectors = SteeringVectors({"base": {"3.post_block": np.arange(4, dtype=np.float32),
+                                        "0.pre_attn": np.full(4, -1.5, np.float32)},
+                               "decode": {"1.post_attn": np.ones(4, np.float32)}})
+    wire = vectors.to_wire()
+    assert wire["base"]["sites"] == ["3.post_block", "0.pre_attn"] and len(wire["base"]["data"]) == 2 * 4 * 4
+    decoded = SteeringVectors.from_wire(wire)
+    block = decoded.tiers["base"]
+    assert isinstance(block, SiteBlock) and block.matrix.shape == (2, 4)
+    assert not block.matrix.flags.owndata  # a view of the received bytes
+    for tier, sites in vectors.tiers.items():
+        assert list(decoded.tiers[tier]) == list(sites)
+        for name, vector in sites.items():
+            np.testing.assert_array_equal(decoded.tiers[tier][name], vector)
+    assert decoded.phase_vectors("prefill") is block  # a tier alone is taken as it is
+    np.testing.assert_array_equal(decoded.phase_vectors("decode")["1.post_attn"], np.ones(4))
+    assert SteeringVectors.from_wire(decoded.to_wire()).to_wire() == wire
 
 
 def test_the_digest_tells_apart_where_each_vector_goes():

@@ -26,7 +26,7 @@ from vllm_interp.patching.sources import SourceRun, SourceStore
 from vllm_interp.patching.spec import PatchSpec
 from vllm_interp.request_args import interp_args
 from vllm_interp.row_plan import BatchSlice
-from vllm_interp.uploads import stack_to_device, to_device
+from vllm_interp.uploads import rows_to_device, to_device
 
 # The name under which a request's patch status travels with its capture results.
 PATCH_RESULT = "patch"
@@ -102,7 +102,7 @@ class PatchTables:
             mine, rows = [], []
         # Staged through pinned memory and converted on the device: a plain ``.to(device)`` from pageable memory
         # would make the stream wait for the step in flight, on every patched request's admission.
-        values = (stack_to_device(rows, device).to(dtype) if rows
+        values = (rows_to_device([row[None] for row in rows], device).to(dtype) if rows
                   else torch.zeros(0, width, dtype=dtype, device=device))
         return _Patched(
             key=key,

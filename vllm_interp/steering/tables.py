@@ -8,7 +8,7 @@ together before the step's index that points at them (global vectors: at once). 
 in-place writes, so compiled graphs see them.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import chain
@@ -20,8 +20,8 @@ from vllm_interp.hooks import HOOK_INDEX, parse_site_name
 from vllm_interp.models.registry import SiteBank
 from vllm_interp.request_args import interp_args
 from vllm_interp.row_plan import BatchLayout
-from vllm_interp.steering.vectors import SteeringVectors
-from vllm_interp.uploads import copy_into, stack_to_device, to_device
+from vllm_interp.steering.vectors import SiteBlock, SteeringVectors
+from vllm_interp.uploads import copy_into, rows_to_device, to_device
 
 GLOBAL_ROWS = {"prefill": 1, "decode": 2}
 FIRST_SLOT_ROW = 3
@@ -42,6 +42,15 @@ Site = tuple[int, int]  # (layer, hook index)
 def _sites(vectors: SteeringVectors) -> frozenset[Site]:
     """The sites ``vectors`` add to, in any tier."""
     return frozenset(_site_index(name) for sites in vectors.tiers.values() for name in sites)
+
+
+def _held_rows(sites: Mapping[str, np.ndarray], held: list[int]) -> np.ndarray:
+    """``[len(held), hidden]``: the vectors of the sites at positions ``held`` of ``sites`` (a request's own
+    block as it is when this worker holds every one of its sites)."""
+    if isinstance(sites, SiteBlock):
+        return sites.matrix if len(held) == len(sites) else sites.matrix[held]
+    values = list(sites.values())
+    return np.stack([values[i] for i in held])
 
 
 def table_rows(max_configs: int) -> int:
@@ -195,29 +204,31 @@ class SteeringTables:
         This runs on the forward thread before a step that admits requests with new vectors. Building and
         converting a zeroed block per config with torch CPU ops cost about 4 ms a config in an H100 server's
         engine core (0.3 ms in a process alone; likely each small CPU op waiting for the process's intra-op
-        threads on a loaded host). So the host only lists the sites and stacks the vectors once (numpy);
-        zeroing, the conversion to the table's dtype (the same rounding as on the host) and the scatter run
-        on the table's device."""
+        threads on a loaded host). So the host only lists the sites and copies the vectors once (numpy, a block
+        per config); zeroing, the conversion to the table's dtype (the same rounding as on the host) and the
+        scatter run on the table's device."""
         if not self._pending:
             return
         pending, self._pending = self._pending, {}
         rows = sorted({row + phase for row in pending for phase in (0, 1)})
-        coords, vectors = self._sites_of(pending)
+        coords, blocks = self._sites_of(pending)
         table = self.bank.steer_table
         ints = to_device(np.concatenate([np.asarray(rows, np.int64), coords.ravel()]), table.device)
         table.index_fill_(2, ints[: len(rows)], 0)
-        if vectors:
+        if blocks:
             layer_slots, hooks, at_rows, sources = ints[len(rows):].view(4, -1)
-            values = stack_to_device(vectors, table.device)
+            values = rows_to_device(blocks, table.device)
             table[layer_slots, hooks, at_rows] = values[sources].to(table.dtype)
 
     def _sites_of(self, pending: dict[int, SteeringVectors]) -> tuple[np.ndarray, list[np.ndarray]]:
         """``[4, n]``: (layer slot, hook, table row, vector index) of every held site of the queued rows, and
-        the vectors, each once (a config of base vectors alone puts the same vectors in both of its rows).
-        A burst admits a hundred configs in a step, on the forward thread: each row's sites are mapped with
-        array operations, from its site names' coordinates (the same few lists of names recur)."""
+        the vectors as ``[sites, hidden]`` blocks whose rows the vector indices count, each once (a config of
+        base vectors alone puts the same vectors in both of its rows). A burst admits a hundred configs in a
+        step, on the forward thread: each row's sites are mapped with array operations, from its site names'
+        coordinates (the same few lists of names recur), and a request's own vectors arrive as one block."""
         parts: list[np.ndarray] = []
-        vectors: list[np.ndarray] = []
+        blocks: list[np.ndarray] = []
+        count = 0
         for prefill_row, queued in pending.items():
             for row, sites in self._phase_rows(prefill_row, queued):
                 if sites is None:  # the decode row takes the prefill row's vectors
@@ -228,11 +239,13 @@ class SteeringTables:
                 held, template = self._held_sites(tuple(sites))
                 part = template.copy()
                 part[2] = row
-                part[3] += len(vectors)
+                part[3] += count
                 parts.append(part)
-                values = list(sites.values())
-                vectors.extend(values[i] for i in held)
-        return (np.concatenate(parts, axis=1) if parts else np.empty((4, 0), np.int64)), vectors
+                if held:
+                    block = _held_rows(sites, held)
+                    blocks.append(block)
+                    count += block.shape[0]
+        return (np.concatenate(parts, axis=1) if parts else np.empty((4, 0), np.int64)), blocks
 
     @staticmethod
     def _phase_rows(prefill_row: int, queued: SteeringVectors) -> list[tuple[int, dict[str, np.ndarray] | None]]:
