@@ -3,7 +3,7 @@
     python -m benchmarks.serve MODEL --out FILE.md [--concurrency 128] [--prompt-tokens 512]
         [--max-tokens 512] [--requests 512] [--rounds 2] [--workloads idle,steer_distinct,...] [--pin-cpus]
         [--torch-profile capture_inline,...] [--torch-profile-stack] [--py-spy PATH]
-        [--switch-intervals-ms 5,0.5] [--server-arg=--enforce-eager ...]
+        [--switch-intervals-ms 5,0.5] [--function-timers] [--server-arg=--enforce-eager ...]
 
 Both servers start once, side by side, each with its engine core in its own process (how users run them):
 plain `vllm serve` and `vllm-interp serve`, both on the model runner vLLM picks (V2 for dense models on GPUs;
@@ -28,7 +28,10 @@ A then each interval in even rounds, the reverse in odd ones. B's prefix cache i
 (dev-mode ``/reset_prefix_cache``): they share their prompts, and a second run would be served the first's blocks.
 ``--py-spy PATH`` (a py-spy binary) samples the server of every run of A and B at 200 Hz, idle time included, into
 ``WORKDIR/py-spy/py-spy-<round>-<workload>-<A|B>.txt`` (collapsed stacks per thread; ``--py-spy-gil`` instead:
-only the thread holding each process's interpreter lock at each sample).
+only the thread holding each process's interpreter lock at each sample). ``--function-timers`` times a list of
+engine functions inside both servers' engine cores (``benchmarks/function_timers.py``, loaded as a vLLM general
+plugin by plain vLLM and vllm-interp alike) and reports each one's milliseconds per run, A / B: where a served
+feature's extra time goes on the engine core's threads, by function.
 
 Workloads (concurrency N unless said): ``idle`` (every feature enabled, requests without fields; also at
 concurrency 1), ``steer_distinct`` (each request its own random vectors at every layer's post_block),
@@ -68,7 +71,7 @@ from urllib.parse import urlsplit
 import msgspec
 import numpy as np
 
-from benchmarks import step_profile
+from benchmarks import function_timers, step_profile
 from benchmarks.serving import (
     VLLM_INTERP_MODULE,
     VLLM_MODULE,
@@ -124,6 +127,7 @@ class RunStats:
     # The server's threads over the run, by label: (threads, ms on a CPU, ms waiting for one); ``thread_clocks_ms``.
     threads: dict[str, tuple[int, float, float]] = field(default_factory=dict)
     host_busy: float | None = None  # the share of the host's CPUs in use over the run
+    functions: function_timers.Totals = field(default_factory=dict)  # ``--function-timers``: over the run
 
     def forward_thread(self) -> tuple[float, float] | None:
         """The engine core's main thread (the one that schedules and launches each step): (ms on a CPU, ms
@@ -275,6 +279,7 @@ class Bench:
     vocab: int
     lens_url: str | None = None
     pids: dict[str, int] = field(default_factory=dict)  # url -> the server's pid, for its threads' clocks
+    timers: dict[str, Path] = field(default_factory=dict)  # url -> where its engine's function timers write
     client_cpus: set[int] | None = None  # ``--pin-cpus``: where the clients run
     py_spy: str | None = None  # ``--py-spy``: the binary that samples each run's server
     py_spy_gil: bool = False  # ``--py-spy-gil``: only the threads holding the interpreter lock
@@ -350,11 +355,17 @@ class Bench:
             out_dir.mkdir(exist_ok=True)
             sampler = ServerSampler(self.py_spy, self.pids[url], out_dir, self.py_spy_gil)
             sampler.start(sample_as)
+        timers = self.timers.get(url)
+        before = function_timers.read_totals(timers) if timers else {}
         try:
-            return run_requests(url, bodies, concurrency, self.pids.get(url), self.client_cpus)
+            stats = run_requests(url, bodies, concurrency, self.pids.get(url), self.client_cpus)
         finally:
             if sampler is not None:
                 sampler.stop()
+        if timers:
+            time.sleep(3 * function_timers.WRITE_EVERY_S)  # the run's last totals written
+            stats.functions = function_timers.difference(function_timers.read_totals(timers), before)
+        return stats
 
     def profile_pair(self, name: str, profiles: Path) -> list[str]:
         """One more wave of ``name`` (``--concurrency`` requests) on each server with its torch profiler over the
@@ -503,6 +514,7 @@ def report(bench: Bench, started: str, card: str, wall_s: float, kv_tokens: tupl
             cells += [f"{fmt(a.engine_ms.get(k))} / {fmt(b.engine_ms.get(k))}" for k in ENGINE_METRICS]
             lines.append(f"| {round_index} | {name} | " + " | ".join(cells) + " |")
     lines += cpu_table(bench)
+    lines += functions_table(bench)
     peer_rows = [(round_index, name, a, c) for round_index, name, a, _, c in bench.pairs if c is not None]
     if peer_rows:
         lines += ["", "## Peer: vllm-lens 1.2.1 (C; eager, V1 runner) against the same plain runs (A)", "",
@@ -528,6 +540,27 @@ def cpu_table(bench: Bench) -> list[str]:
     for round_index, name, a, b, ((a_ran, a_queued), (b_ran, b_queued)) in rows:
         lines.append(f"| {round_index} | {name} | {a.wall_s:.2f} / {b.wall_s:.2f} | {a_ran:.0f} / {b_ran:.0f} | "
                      f"{a_queued:.0f} / {b_queued:.0f} | {fmt(a.host_busy, 2)} / {fmt(b.host_busy, 2)} |")
+    return lines
+
+
+def functions_table(bench: Bench) -> list[str]:
+    """``--function-timers``: per run, the milliseconds each timed engine function took (nested ones inside their
+    callers), A / B, and the model forwards the run took (its steps)."""
+    runs = [(r, name, a, b) for r, name, a, b, _ in bench.pairs if a.functions or b.functions]
+    if not runs:
+        return []
+    labels = [label for label in map(function_timers.label_of, function_timers.FUNCTIONS)
+              if any(run.functions.get(label, [0.0])[0] for _, _, a, b in runs for run in (a, b))]
+    lines = ["", "Engine functions per run, ms (nested ones inside their callers), A / B:", "",
+             "| function | " + " | ".join(f"{r}: {name}" for r, name, _, _ in runs) + " |",
+             "|---|" + "---|" * len(runs)]
+    for label in labels:
+        cells = [" / ".join(f"{1000 * run.functions.get(label, [0.0])[0]:.1f}" for run in (a, b))
+                 for _, _, a, b in runs]
+        lines.append(f"| `{label}` | " + " | ".join(cells) + " |")
+    cells = [" / ".join(f"{run.functions.get(function_timers.FORWARD, [0.0, 0])[1]:.0f}" for run in (a, b))
+             for _, _, a, b in runs]
+    lines.append("| model forwards (calls) | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -569,6 +602,8 @@ def main() -> None:
     parser.add_argument("--py-spy-gil", action="store_true", help="--py-spy: only threads holding the GIL")
     parser.add_argument("--switch-intervals-ms", default="",
                         help="run B at each of these engine switch intervals (ms, comma-separated), against one A")
+    parser.add_argument("--function-timers", action="store_true",
+                        help="time engine functions inside both servers' engine cores (a vLLM general plugin)")
     parser.add_argument("--peer-site", default=None,
                         help="directory holding vllm-lens and its dependencies: adds vllm-lens's server (C)")
     args = parser.parse_args()
@@ -585,6 +620,19 @@ def main() -> None:
     # Plain vLLM loads none of vllm-interp's plugins (they are visible to it through entry points).
     runner_env = {"VLLM_USE_V2_MODEL_RUNNER": "0"} if args.runner == "v1" else {}
     plain_env = {**os.environ, "VLLM_PLUGINS": "", **runner_env}
+    interp_env = {**os.environ, **runner_env}
+    timers = {}
+    if args.function_timers:  # plain vLLM loads this one plugin; vllm-interp loads it beside its own
+        plugin = function_timers.write_plugin(workdir / "function-timers-plugin")
+        path = os.pathsep.join(filter(None, [str(plugin), str(Path(__file__).resolve().parents[1]),
+                                             os.environ.get("PYTHONPATH")]))
+        for name, env in (("plain", plain_env), ("interp", interp_env)):
+            timers[name] = workdir / "function-timers" / name
+            timers[name].mkdir(parents=True, exist_ok=True)
+            for stale in timers[name].glob("*.json"):
+                stale.unlink()
+            env.update({"PYTHONPATH": path, function_timers.TIMERS_DIR: str(timers[name])})
+        plain_env["VLLM_PLUGINS"] = function_timers.PLUGIN
     # vllm-lens loads as a general plugin wherever it is importable; only its own server sees it.
     lens_env = {**os.environ, "VLLM_PLUGINS": "activations",
                 "PYTHONPATH": os.pathsep.join(filter(None, [args.peer_site, os.environ.get("PYTHONPATH")]))}
@@ -602,7 +650,7 @@ def main() -> None:
     intervals = [float(ms) for ms in args.switch_intervals_ms.split(",") if ms]
     dev_mode = {"VLLM_SERVER_DEV_MODE": "1"} if intervals else {}  # /collective_rpc sets the interval
     interp_url, interp = launch_server([*common, *interp_args, *profiling("interp")], workdir / "interp.log",
-                                       {**os.environ, **runner_env, **dev_mode}, VLLM_INTERP_MODULE)
+                                       {**interp_env, **dev_mode}, VLLM_INTERP_MODULE)
     servers = {"plain": (plain_url, plain), "interp": (interp_url, interp)}
     if args.peer_site:
         servers["lens"] = launch_server(common, workdir / "lens.log", lens_env, VLLM_MODULE)
@@ -619,6 +667,7 @@ def main() -> None:
         bench = Bench(args, plain_url, interp_url, config["num_hidden_layers"], config["hidden_size"],
                       config["vocab_size"], lens_url=servers["lens"][0] if "lens" in servers else None,
                       pids={url: process.pid for url, process in servers.values()},
+                      timers={servers[name][0]: directory for name, directory in timers.items()},
                       client_cpus=client_cpus, py_spy=args.py_spy, py_spy_gil=args.py_spy_gil, intervals=intervals)
         warm_up = [bench.body(p) for p in bench.prompts(99, 2)]  # first requests pay one-off costs; not reported
         for url, _ in servers.values():

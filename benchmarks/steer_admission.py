@@ -28,13 +28,12 @@ call in a step stops the host from preparing the next step while the device runs
 ``--engine-only`` times the engine alone: each batch's requests are validated and packed (vllm-interp's
 offline front door, which a server runs on its API servers) before the clock starts, and their results
 attached after it stops. ``--split`` adds, per workload, the median milliseconds a batch spends inside each of
-a few engine functions (``SPLIT``; nested ones are inside their callers), so a per-request cost shows on the
-engine's thread as scheduling, request admission, the runner's step or vllm-interp's step plan.
+a few engine functions (``function_timers.FUNCTIONS``; nested ones are inside their callers), so a per-request
+cost shows on the engine's thread as scheduling, request admission, the runner's step or vllm-interp's plan.
 """
 
 import argparse
 import cProfile
-import functools
 import gzip
 import os
 import pstats
@@ -42,9 +41,7 @@ import statistics
 import time
 import traceback
 import warnings
-from collections import Counter, defaultdict
-from collections.abc import Callable
-from importlib import import_module
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -57,58 +54,10 @@ import vllm  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 
+from benchmarks import function_timers  # noqa: E402
 from vllm_interp import LLM, pack_vectors, steered_params  # noqa: E402
 
 LAST_PROMPT_EVERYWHERE = {"inline": {"hooks": "all", "positions": "last_prompt"}}
-# ``--split``: engine functions timed per batch ("module:Class.method" or "module:function", as the caller
-# looks it up; those missing here are left out).
-SPLIT = (
-    "vllm.v1.engine.core:EngineCore.add_request",
-    "vllm.v1.core.sched.scheduler:Scheduler.schedule",
-    "vllm.v1.core.sched.scheduler:Scheduler.update_from_output",
-    "vllm.v1.executor.uniproc_executor:UniProcExecutor.execute_model",
-    "vllm.v1.executor.uniproc_executor:UniProcExecutor.sample_tokens",
-    "vllm.v1.worker.gpu.model_runner:GPUModelRunner.add_requests",
-    "vllm.v1.worker.gpu.model_runner:GPUModelRunner.prepare_inputs",
-    "vllm.model_executor.models.llama:LlamaForCausalLM.forward",
-    "vllm_interp.engine.v0_26.steps:InterpSteps._interp_admit",
-    "vllm_interp.engine.v0_26.steps:InterpSteps._interp_plan",
-    "vllm_interp.steering.tables:SteeringTables.step_index",
-    "vllm_interp.steering.tables:SteeringTables.load_index",
-    "vllm_interp.steering.tables:SteeringTables.upload_pending",
-    "vllm_interp.steering.tables:SteeringTables.lookup",
-    "vllm_interp.steering.tables:SteeringTables._sites_of",
-    "vllm_interp.steering.tables:rows_to_device",
-    "vllm_interp.steering.tables:to_device",
-    "vllm_interp.steering.tables:copy_into",
-    "vllm_interp.engine.v0_26.steps:InterpSteps._interp_collect",
-)
-
-
-def _time_functions(names: tuple[str, ...]) -> dict[str, float]:
-    """Wrap each named method in place with a timer; returns the seconds spent in each, by name (read and
-    cleared by the caller)."""
-    spent: dict[str, float] = defaultdict(float)
-    for name in names:
-        module_name, _, path = name.partition(":")
-        owner_name, _, method = path.rpartition(".")
-        try:
-            module = import_module(module_name)
-            owner = getattr(module, owner_name) if owner_name else module
-            original = owner.__dict__[method]
-        except (ImportError, AttributeError, KeyError):
-            continue
-
-        @functools.wraps(original)  # keeps the signature that vllm-interp's start-up checks read
-        def timed(*args, _original: Callable = original, _label: str = path, **kwargs):
-            start = time.perf_counter()
-            try:
-                return _original(*args, **kwargs)
-            finally:
-                spent[_label] += time.perf_counter() - start
-
-        setattr(owner, method, timed)
-    return spent
 
 
 def main() -> None:
@@ -132,7 +81,7 @@ def main() -> None:
     parser.add_argument("--engine-only", action="store_true", help="the front door's work outside the timings")
     parser.add_argument("--split", action="store_true", help="time spent in a few engine functions per batch")
     args = parser.parse_args()
-    spent = _time_functions(SPLIT) if args.split else {}
+    spent = function_timers.time_functions() if args.split else {}
 
     engine = dict(max_model_len=args.prompt_tokens + 16, enable_prefix_caching=False, seed=0)
     if args.attention_backend:
@@ -187,11 +136,11 @@ def main() -> None:
     for workload in workloads:  # untimed: Triton JIT, first-use allocations (pinned blocks included)
         batch_s(workload, -1)
     timings: dict[str, list[float]] = {w: [] for w in workloads}
-    splits: dict[str, list[dict[str, float]]] = {w: [] for w in workloads}
+    splits: dict[str, list[function_timers.Totals]] = {w: [] for w in workloads}
     for round_index in range(args.rounds):
         for workload in workloads:
             timings[workload].append(batch_s(workload, round_index))
-            splits[workload].append(dict(spent))
+            splits[workload].append({label: list(total) for label, total in spent.items()})
     base = statistics.median(timings["unsteered"]) if "unsteered" in timings else None
     print(f"\n{args.requests} requests x {args.prompt_tokens} prompt tokens, 1 generated; vectors at post_block "
           f"of all {layers} layers (hidden {hidden}), capture of every site; seconds per batch, each round:")
@@ -200,11 +149,11 @@ def main() -> None:
         extra = "" if per_request_ms is None else f"  (median - unsteered: {per_request_ms:+.2f} ms a request)"
         print(f"  {workload:<10} {' '.join(f'{v:.3f}' for v in values)}{extra}")
     if args.split:
-        labels = [name.partition(":")[2] for name in SPLIT]
+        labels = [function_timers.label_of(name) for name in function_timers.FUNCTIONS]
         print("\nms a batch inside each function (median of the rounds; nested functions are inside their callers):")
         print("  " + " | ".join(["function", *workloads]))
         for label in labels:
-            medians = [statistics.median(s.get(label, 0.0) for s in splits[w]) * 1e3 for w in workloads]
+            medians = [statistics.median(s.get(label, [0.0])[0] for s in splits[w]) * 1e3 for w in workloads]
             if any(medians):
                 print("  " + " | ".join([label, *(f"{m:.1f}" for m in medians)]))
 
