@@ -48,6 +48,7 @@ PLUGIN = "bench_function_timers"  # its name among vLLM's general plugins (for `
 WRITE_EVERY_S = 0.2
 
 Totals = dict[str, list[float]]  # label ("Class.method") -> [seconds, calls]
+_installed = False
 
 
 def label_of(name: str) -> str:
@@ -85,14 +86,15 @@ def time_functions(names: tuple[str, ...] = FUNCTIONS) -> Totals:
 def install() -> None:
     """The general plugin: in a process whose environment names ``TIMERS_DIR``, time ``FUNCTIONS`` and keep
     ``DIR/PID.json`` up to date (once per process: vLLM may load plugins more than once)."""
+    global _installed
     directory = os.environ.get(TIMERS_DIR)
-    if not directory or getattr(install, "totals", None) is not None:
+    if not directory or _installed:
         return
+    _installed = True
     # vllm-interp's functions only where vLLM loads vllm-interp too: plain vLLM's engine stays without its modules.
     allowed = os.environ.get("VLLM_PLUGINS")
     with_interp = allowed is None or "vllm_interp" in allowed.split(",")
-    totals = install.totals = time_functions(tuple(name for name in FUNCTIONS
-                                                   if with_interp or not name.startswith("vllm_interp")))
+    totals = time_functions(tuple(name for name in FUNCTIONS if with_interp or not name.startswith("vllm_interp")))
     path = Path(directory) / f"{os.getpid()}.json"
 
     def write() -> None:

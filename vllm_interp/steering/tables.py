@@ -44,13 +44,14 @@ def _sites(vectors: SteeringVectors) -> frozenset[Site]:
     return frozenset(_site_index(name) for sites in vectors.tiers.values() for name in sites)
 
 
-def _held_rows(sites: Mapping[str, np.ndarray], held: list[int]) -> np.ndarray:
-    """``[len(held), hidden]``: the vectors of the sites at positions ``held`` of ``sites`` (a request's own
-    block as it is when this worker holds every one of its sites)."""
-    if isinstance(sites, SiteBlock):
-        return sites.matrix if len(held) == len(sites) else sites.matrix[held]
+def _held_rows(sites: Mapping[str, np.ndarray], held: list[int]) -> list[np.ndarray]:
+    """The vectors of the sites at positions ``held`` of ``sites``, as ``[rows, hidden]`` views for the one copy
+    into pinned memory: a request's own block whole when this worker holds every one of its sites, else a row
+    each."""
+    if isinstance(sites, SiteBlock) and len(held) == len(sites):
+        return [sites.matrix]
     values = list(sites.values())
-    return np.stack([values[i] for i in held])
+    return [values[i][None] for i in held]
 
 
 def table_rows(max_configs: int) -> int:
@@ -241,14 +242,12 @@ class SteeringTables:
                 part[2] = row
                 part[3] += count
                 parts.append(part)
-                if held:
-                    block = _held_rows(sites, held)
-                    blocks.append(block)
-                    count += block.shape[0]
+                blocks.extend(_held_rows(sites, held))
+                count += len(held)
         return (np.concatenate(parts, axis=1) if parts else np.empty((4, 0), np.int64)), blocks
 
     @staticmethod
-    def _phase_rows(prefill_row: int, queued: SteeringVectors) -> list[tuple[int, dict[str, np.ndarray] | None]]:
+    def _phase_rows(prefill_row: int, queued: SteeringVectors) -> list[tuple[int, Mapping[str, np.ndarray] | None]]:
         """Each of a config's two rows with its sites' vectors (the decode row: None when it equals the prefill
         row, which a config without prefill or decode tiers does)."""
         split = queued.tiers.get("prefill") or queued.tiers.get("decode")

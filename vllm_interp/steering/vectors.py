@@ -11,7 +11,7 @@ vector of a token is the sum of the global and the request's base and phase tier
 """
 
 import binascii
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Literal
@@ -71,7 +71,7 @@ class SiteBlock(Mapping[str, np.ndarray]):
     def __getitem__(self, name: str) -> np.ndarray:
         return self.matrix[self._rows[name]]
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[str]:
         return iter(self.names)
 
     def __len__(self) -> int:
@@ -79,12 +79,11 @@ class SiteBlock(Mapping[str, np.ndarray]):
 
 
 def site_block(sites: Mapping[str, np.ndarray]) -> SiteBlock:
-    """``sites`` as a block (itself when it is one)."""
+    """``sites`` (one or more) as a float32 block (itself when it is one)."""
     if isinstance(sites, SiteBlock):
         return sites
     names = tuple(sites)
-    matrix = np.stack([np.asarray(sites[name], dtype="<f4") for name in names]) if names else np.empty((0, 0), "<f4")
-    return SiteBlock(names, matrix)
+    return SiteBlock(names, np.stack([np.asarray(sites[name], dtype="<f4") for name in names]))
 
 
 @dataclass(frozen=True)
@@ -146,7 +145,7 @@ class SteeringVectors:
         for tier, sites in self.tiers.items():
             if sites:
                 block = site_block(sites)
-                wire[tier] = {"sites": list(block.names), "data": block.matrix.astype("<f4", copy=False).tobytes()}
+                wire[tier] = {"sites": list(block.names), "data": block.matrix.tobytes()}
         return wire
 
     @classmethod
