@@ -87,6 +87,9 @@ class ReadPlan:
         return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 
+NO_READS = ReadPlan(rows=np.empty(0, np.int64), positions=np.empty(0, np.int64), req_ids=[],
+                    slot_starts=np.zeros(1, np.int64))  # a step that reads nothing (shared: nothing changes it)
+
 # What a request reads from its slice of a step: every position from this one on (an ``int``: every-token
 # capture, planned without a mask), those a boolean mask over the slice's positions picks, or nothing (None).
 ReadAnswer = int | np.ndarray | None
@@ -97,8 +100,7 @@ def plan_reads(layout: BatchLayout, answers: Mapping[int, ReadAnswer]) -> ReadPl
     """Assign read slots, in batch order, to the rows that ``answers[i]`` picks from the slice of request ``i``
     of the batch (a request without an answer reads nothing). Vectorised over the step's tokens."""
     if not answers:  # most steps of most engines
-        return ReadPlan(rows=np.empty(0, np.int64), positions=np.empty(0, np.int64), req_ids=[],
-                        slot_starts=np.zeros(1, np.int64))
+        return NO_READS
     count = len(layout.req_ids)
     first = np.full(count, NEVER, dtype=np.int64)
     masks = {}

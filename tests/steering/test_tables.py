@@ -131,3 +131,42 @@ def test_steered_sites_are_the_global_vectors_and_those_of_configs_holding_a_slo
                                     (1, HOOK_INDEX["post_attn"])}
     tables.forget_finished(set())  # "a" left: its slot and its sites go
     assert tables.steered_sites == {(0, HOOK_INDEX["pre_attn"])}
+
+
+def test_a_steady_batch_takes_its_last_index_until_a_token_would_change_rows():
+    """The same batch's next decode step takes the last step's index as it is, without asking anything; a step
+    with a token still in its prompt, a changed batch or a global change plans afresh."""
+    tables = _tables(max_configs=2)
+    asked: list[str] = []
+    requests = {"a": _request(_vectors(1, prefill=["0.pre_attn"], decode=["2.post_block"]), "a"), "b": None}
+
+    def request(req_id: str):
+        asked.append(req_id)
+        return requests[req_id], 4  # prompts of 4 tokens
+
+    def step(positions: list[int], req_ids: tuple[str, ...] = ("a", "b")):  # one token each at these positions
+        layout = BatchLayout.of(list(req_ids), np.arange(len(req_ids) + 1), np.array(positions))
+        return tables.step_index(layout, request)
+
+    prefill, decode = tables.lookup("a", requests["a"]).row("prefill"), tables._slots["a"].row("decode")
+    asked.clear()
+    last_prompt = step([3, 9])  # "a" computes its last prompt token in a one-token step
+    assert last_prompt.tolist() == [prefill, 0]
+    first_decode = step([4, 10])  # not the last index: "a" moved from its prefill row to its decode row
+    assert first_decode.tolist() == [decode, 0]
+    assert step([5, 11]) is first_decode and step([6, 12]) is first_decode  # steady: nothing planned again
+    assert step([7, 13], ("b", "a")).tolist() == [0, decode]  # another order: planned again
+    tables.set_global(_vectors(2, base=["0.post_attn"]))
+    rows = step([8, 14], ("b", "a"))
+    assert rows.tolist() == [GLOBAL_ROWS["decode"], decode]  # the global vectors reach the unsteered request
+    assert asked == ["a", "b"]  # each request looked up once, when it first came
+
+
+def test_an_unsteered_batch_stays_unsteered_until_a_global_vector_is_set():
+    tables = _tables()
+    layout = BatchLayout.of(["p"], np.array([0, 3]), np.array([0]))  # a prefill chunk of 3 tokens
+    request = lambda req_id: (None, 8)  # noqa: E731
+    assert tables.step_index(layout, request) is None
+    assert tables.step_index(layout, request) is None  # steady: no token steered, whatever it schedules
+    tables.set_global(_vectors(0, prefill=["2.pre_attn"]))
+    assert tables.step_index(layout, request).tolist() == [GLOBAL_ROWS["prefill"]] * 3

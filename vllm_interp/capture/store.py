@@ -542,9 +542,11 @@ class CaptureStore:
         that may replay sets them."""
         # A rank that runs none of the step's consumers plans the same rows (so it decides between graphs and
         # eager execution as the others do) but reads nothing.
-        steady = self._steady_of(plan)
-        sites = steady.sites if steady is not None else _readers_sites(self._entries[r] for r in plan.req_ids)
-        reads = StepReads(self._device_rows(plan.rows, device), sites) if sites else None
+        reads = None
+        if plan.req_ids:
+            steady = self._steady_of(plan)
+            sites = steady.sites if steady is not None else _readers_sites(self._entries[r] for r in plan.req_ids)
+            reads = StepReads(self._device_rows(plan.rows, device), sites) if sites else None
         if self.bank.graph_read_rows and self.may_replay(step_tokens):
             self._arm_graph_reads(reads if reads is not None and self.fits_graph(plan.num_rows) else None)
         return reads

@@ -88,12 +88,16 @@ class SteeringTables:
         self._loaded: np.ndarray | None = None  # the map the index buffer holds (in its first entries)
         self._pending: dict[int, SteeringVectors] = {}  # prefill row -> the vectors it and its decode row take
         self._steered_sites: frozenset[Site] | None = frozenset()  # None: stale since a slot or global change
+        # The last step's batch (a copy: runners reuse their lists) and index, while the same batch's next step
+        # takes that index again (see ``step_index``); None after any other step, and after a global change.
+        self._steady: tuple[list[str], np.ndarray | None] | None = None
         self._site_coords: dict[tuple[str, ...], tuple[list[int], np.ndarray]] = {}
 
     # -- global state --------------------------------------------------------------------------------
     def set_global(self, vectors: SteeringVectors) -> None:
         self.global_vectors = vectors
         self._steered_sites = None
+        self._steady = None
         self._pending[GLOBAL_ROWS["prefill"]] = vectors
         for phase, row in GLOBAL_ROWS.items():
             self._global_rows[phase] = row if vectors.phase_vectors(phase) else 0
@@ -147,10 +151,15 @@ class SteeringTables:
                    request: Callable[[str], tuple[dict[str, Any] | None, int]]) -> np.ndarray | None:
         """The step's table row of every token (None: none steered), with the step's new requests looked up
         and the slots of requests that left the batch freed first. ``request(req_id)``: its ``extra_args``
-        and prompt length. Runs before every step: a batch of which no request is steered (an enabled but
-        idle engine) costs a membership test per request, and a steered one a dictionary read per request and
-        array operations."""
-        by_req, facts, req_ids = self._by_req, self._step_facts, layout.req_ids
+        and prompt length. Runs before every step: a step of the batch the last step ran that takes the same
+        index (``_steady``: a decode step of a steered batch, any step of an unsteered one) costs a comparison
+        of the request lists; other steps a membership test per request and, when some request is steered, a
+        dictionary read per request and array operations."""
+        req_ids = layout.req_ids
+        steady = self._steady
+        if steady is not None and req_ids == steady[0] and (steady[1] is None or layout.total_tokens == len(req_ids)):
+            return steady[1]
+        by_req, facts = self._by_req, self._step_facts
         new = [req_id for req_id in req_ids if req_id not in facts]  # (facts' keys are a subset of by_req's)
         if len(by_req) > len(req_ids) - len(new):  # some looked-up request is not in this batch
             self.forget_finished(set(req_ids))
@@ -160,9 +169,18 @@ class SteeringTables:
             facts[req_id] = (NO_SLOT if slot is None else slot.row("prefill"), prompt_len)
         # A slot is held exactly while some looked-up request has it.
         if not self._slots and not any(self._global_rows.values()):
+            # No token is steered, whatever the same batch schedules next (a slot or a global vector comes only
+            # with a new request or ``set_global``).
+            self._steady = (list(req_ids), None)
             return None
         pairs = np.fromiter(chain.from_iterable(map(facts.__getitem__, req_ids)), np.int64, 2 * len(req_ids))
-        return self.plan(layout, prefill_rows=pairs[0::2], prompt_lens=pairs[1::2])
+        prompt_lens = pairs[1::2]
+        index = self.plan(layout, prefill_rows=pairs[0::2], prompt_lens=prompt_lens)
+        # A decode step of one token each, every one past its prompt: the same batch's next such step has its
+        # tokens at the same decode rows (positions only move on), so it takes this index again.
+        decoding = layout.total_tokens == len(req_ids) and bool((layout.position_starts >= prompt_lens).all())
+        self._steady = (list(req_ids), index) if decoding else None
+        return index
 
     def plan(self, layout: BatchLayout, prefill_rows: np.ndarray, prompt_lens: np.ndarray) -> np.ndarray | None:
         """Table row of every token of the step, or None when no token is steered (vectorised: this runs
@@ -184,6 +202,8 @@ class SteeringTables:
         back to row 0: a replayed CUDA graph steers every row it holds, whatever the host-side plan says."""
         self.upload_pending()  # rows of the configs admitted for this step, before anything points at them
         loaded, self._loaded = self._loaded, index
+        if index is loaded:  # a steady batch's step (``step_index``): the buffer holds its map already
+            return
         if index is not None and loaded is not None and np.array_equal(index, loaded):
             return  # a steady batch's decode steps point at the same rows: the buffer holds them already
         count = 0 if index is None else index.shape[0]

@@ -66,8 +66,13 @@ class InterpSteps:
         # Patching and capture act on a few requests of a large batch: only theirs get planned.
         patch = None if patching is None else patching.plan(layout.slices(only=patching.patched_ids))
         reads = self.interp_store.plan_reads(layout)
-        self._interp_step = StepPlan(steer, patch, reads, self.interp_store.site_reads(reads, self.device,
-                                                                                          layout.total_tokens))
+        site_reads = self.interp_store.site_reads(reads, self.device, layout.total_tokens)
+        # A step that steers, patches and reads nothing leaves the site op as ``_interp_retire`` left it (a replayed
+        # graph still takes the steering index and read buffers the plan has just written): nothing to publish,
+        # retire or collect. Planned read rows keep the plan even where this rank reads none of them: every rank
+        # chooses between graphs and eager execution from them alike.
+        if steer or patch is not None or reads.num_rows:
+            self._interp_step = StepPlan(steer, patch, reads, site_reads)
 
     def _plan_steering(self, layout: BatchLayout) -> frozenset[tuple[int, int]]:
         tables = self.interp_steering

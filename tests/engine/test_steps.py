@@ -1,0 +1,59 @@
+"""What both runner mixins plan around a step (``engine/v0_26/steps.py``), without an engine: a step that no
+request of its batch uses a feature in leaves nothing to publish, retire or collect, on an engine with every
+feature enabled."""
+
+import numpy as np
+import torch
+
+from tests.capture.test_store import HIDDEN, LAYERS, make_store
+from vllm_interp.capture.consumer import EngineFacts
+from vllm_interp.capture.consumers.inline import InlineConsumer
+from vllm_interp.capture.spec import spec_to_wire, validate_capture_spec
+from vllm_interp.engine.v0_26.steps import InterpSteps
+from vllm_interp.hooks import HOOK_INDEX, site_name
+from vllm_interp.models.registry import SiteBank
+from vllm_interp.patching.sources import SourceStore
+from vllm_interp.patching.tables import PatchTables
+from vllm_interp.request_args import EXTRA_ARGS_KEY
+from vllm_interp.steering.tables import SteeringTables, table_rows
+from vllm_interp.steering.vectors import SteeringVectors
+
+
+class _Runner(InterpSteps):
+    device = torch.device("cpu")
+
+    def __init__(self, requests: dict[str, dict | None]) -> None:
+        self.requests = requests
+
+    def interp_request(self, req_id: str) -> tuple[dict | None, int]:
+        return self.requests[req_id], 4
+
+
+def test_a_step_no_request_uses_a_feature_in_plans_nothing_and_one_that_does_plans_its_work():
+    steered = SteeringVectors({"base": {site_name(1, "post_block"): np.ones(HIDDEN, np.float32)}})
+    capture = validate_capture_spec({"inline": {"hooks": {"pre_attn": [0]}, "positions": "all"}},
+                                    engine=EngineFacts(LAYERS), consumers={"inline": InlineConsumer})
+    requests = {"plain": None,
+                "steered": {EXTRA_ARGS_KEY: {"steering": {"vectors": steered.to_wire(), "digest": "s"}}},
+                "capturing": {EXTRA_ARGS_KEY: {"capture": spec_to_wire(capture)}}}
+    bank = SiteBank.allocate([0, 1], hidden_size=HIDDEN, dtype=torch.float32, device=torch.device("cpu"),
+                             max_tokens=8, steer_rows=table_rows(2), patch_slots=4, graph_read_rows=0)
+    store = make_store()
+    runner = _Runner(requests)
+    runner.attach(store, SteeringTables(bank, 2), PatchTables(bank, SourceStore()))
+    try:
+        def plan(req_id: str, position: int):  # one decode token
+            runner._interp_admit(req_id, requests[req_id], 4)
+            runner._interp_plan([req_id], np.array([0, 1]), np.array([position]))
+            step = runner._interp_step
+            runner._interp_retire()
+            return step
+
+        assert plan("plain", 4) is None and plan("plain", 5) is None
+        assert plan("steered", 4).steer == {(1, HOOK_INDEX["post_block"])}
+        runner._interp_finish({"steered"})
+        assert plan("plain", 6) is None  # the steered request left: nothing to do again
+        reads = plan("capturing", 4).site_reads
+        assert reads.sites == {(0, HOOK_INDEX["pre_attn"])} and reads.rows.tolist() == [0]
+    finally:
+        store.close()
