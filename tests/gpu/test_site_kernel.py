@@ -5,7 +5,11 @@ import pytest
 import torch
 
 from tests.gpu.modes import print_figure
-from tests.models.site_kernel_cases import kernel_leaves_unnamed_rows_alone, kernel_matches_eager
+from tests.models.site_kernel_cases import (
+    eager_steering_adds_the_indexed_rows,
+    kernel_leaves_unnamed_rows_alone,
+    kernel_matches_eager,
+)
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -22,3 +26,9 @@ def test_the_graph_kernel_writes_steers_and_reads_as_the_eager_op_does(dtype, pa
 
 def test_the_graph_kernel_reads_nothing_when_the_sites_flag_is_clear_and_leaves_unnamed_rows_alone():
     kernel_leaves_unnamed_rows_alone(CUDA)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("width", [576, 2050])
+def test_eager_steering_on_the_gpu_adds_each_rows_table_row_as_the_gather_and_add_does(dtype, width):
+    eager_steering_adds_the_indexed_rows(CUDA, dtype, width)

@@ -5,7 +5,7 @@ alphas other than 0 and 1), and rows the buffers do not name are untouched."""
 
 import torch
 
-from vllm_interp.models.site_kernel import site_in_graph
+from vllm_interp.models.site_kernel import site_in_graph, steer_in_place
 from vllm_interp.models.site_ops import STEP, StepReads, site
 
 TOKENS, HOOK, LAYER = 9, 1, 3
@@ -97,3 +97,13 @@ def kernel_leaves_unnamed_rows_alone(device: torch.device) -> None:
     read_out = _kernel(hidden, residual, steer_index, table, patch_index, values, alphas, False, read=False)
     assert torch.equal(hidden, before[0]) and torch.equal(residual, before[1])
     assert (read_out == 7).all()
+
+
+def eager_steering_adds_the_indexed_rows(device: torch.device, dtype: torch.dtype, width: int) -> None:
+    """The eager op's steering on CUDA (``steer_in_place``) adds each row's table row as the gather-and-add does,
+    bit for bit, to a stream taller than the steered rows (an eager step's tokens, of which rows 0 and 5 take
+    row 0)."""
+    hidden, _, steer_index, table, *_ = _buffers(device, width, dtype, False)
+    expected = hidden + table[HOOK].index_select(0, steer_index)
+    steer_in_place(hidden, steer_index, table[HOOK])
+    assert torch.equal(hidden, expected)

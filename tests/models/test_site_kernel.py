@@ -10,7 +10,11 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 from triton.runtime.interpreter import InterpretedFunction
 
-from tests.models.site_kernel_cases import kernel_leaves_unnamed_rows_alone, kernel_matches_eager
+from tests.models.site_kernel_cases import (
+    eager_steering_adds_the_indexed_rows,
+    kernel_leaves_unnamed_rows_alone,
+    kernel_matches_eager,
+)
 from vllm_interp.models import site_kernel
 
 CPU = torch.device("cpu")
@@ -44,3 +48,8 @@ def test_the_interpreted_kernel_writes_steers_and_reads_as_the_eager_op_does(int
 
 def test_the_interpreted_kernel_leaves_rows_no_buffer_names_alone(interpreted):
     kernel_leaves_unnamed_rows_alone(CPU)
+
+
+@pytest.mark.parametrize("width", [576, 2050])
+def test_the_interpreted_eager_steering_adds_each_rows_table_row(interpreted, width):
+    eager_steering_adds_the_indexed_rows(CPU, torch.float32, width)

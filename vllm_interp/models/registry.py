@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from vllm_interp.hooks import HOOKS
-from vllm_interp.models import hook_points
+from vllm_interp.models import hook_points, site_ops
 from vllm_interp.models.gpt_neox import gpt_neox_layer_forward
 
 
@@ -214,4 +214,5 @@ def install_sites(
             read_out=bank.read_out[position],
         )
         sites.install(layers[index], buffers)
+    site_ops.warm_eager_steering(bank.steer_index, bank.steer_table)
     return bank

@@ -1,4 +1,5 @@
-"""The site op's body inside CUDA graphs: write, steer and read in one Triton kernel launch per site.
+"""The site op's body inside CUDA graphs: write, steer and read in one Triton kernel launch per site (and, with
+steering alone, the eager op's steering add on CUDA: ``steer_in_place``).
 
 A captured graph replays every kernel the op launched, on every step, whether or not a request uses a
 feature: launched one torch op at a time, the patch write, steering add and read cost about a dozen kernels per
@@ -104,3 +105,11 @@ def site_in_graph(hidden: torch.Tensor, residual: torch.Tensor | None, steer_ind
         HAS_RESIDUAL=residual is not None, HIDDEN_IN_USE=hidden_in_use, PATCH=patch_index is not None,
         STEER=steer_table is not None, READ=read_slot is not None, BLOCK=block,
     )
+
+
+def steer_in_place(stream: torch.Tensor, steer_index: torch.Tensor, table: torch.Tensor) -> None:
+    """Add to each row of the flat ``[tokens, width]`` stream the row of ``table`` that ``steer_index`` names
+    (row 0: none): the site op's eager steering on CUDA, one launch of the kernel with steering alone (a gather
+    and an add were two launches, four torch calls and a copy of the gathered rows). Its one variant is built at
+    start-up (``site_ops.warm_eager_steering``), not in the first steered step that runs eagerly."""
+    site_in_graph(stream, None, steer_index, table, None, stream, stream, None, steer_index, stream, False)

@@ -9,9 +9,10 @@
 3. **read**: when this step captures the site, copy the planned rows out.
 
 Run eagerly, the op acts on what the runner planned for the step in ``STEP`` (the patched rows, the sites
-anything is steered at, the rows to read, which it hands back as new tensors in ``STEP.reads``). Captured in a
-CUDA graph, it launches one kernel (site_kernel.py) that acts on every row as the persistent buffers say,
-which the runner fills before every step, so replays patch, steer and read too: row ``r`` takes patch slot
+anything is steered at, the rows to read, which it hands back as new tensors in ``STEP.reads``; on CUDA its
+steering add is one launch of the graph kernel with steering alone). Captured in a CUDA graph, it launches
+one kernel (site_kernel.py) that acts on every row as the persistent buffers say, which the runner fills before
+every step, so replays patch, steer and read too: row ``r`` takes patch slot
 ``patch_index[hook, r]`` of ``patch_values``/``patch_alpha`` (slot 0: unpatched) and steering row
 ``steer_index[r]``, and is read into row ``read_slot[r]`` of ``read_out[hook]`` (-1: not read) when
 ``read_flags[hook]`` is set. ``read_out`` holds ``--max-graph-capture-rows`` rows; a step reading more runs
@@ -136,13 +137,32 @@ def _site(
         _write_rows(flat_hidden, flat_residual, *planned, hidden_in_use)
     target = flat_hidden if residual is None else flat_residual
     if steered:
-        target.add_(steer_table[hook].index_select(0, steer_index[: target.shape[0]]))
+        _steer(target, steer_index, steer_table[hook])
     if not read:
         return
     picked = flat_hidden.index_select(0, reads.rows)
     if flat_residual is not None:
         picked.add_(flat_residual.index_select(0, reads.rows))
     reads.out[site] = picked
+
+
+def _steer(target: torch.Tensor, steer_index: torch.Tensor, table: torch.Tensor) -> None:
+    """Add each row's steering vector in place (row 0 of ``table`` is zeros: unsteered rows stay as they are)."""
+    if target.is_cuda:
+        from vllm_interp.models.site_kernel import steer_in_place
+
+        steer_in_place(target, steer_index, table)
+    else:
+        target.add_(table.index_select(0, steer_index[: target.shape[0]]))
+
+
+def warm_eager_steering(steer_index: torch.Tensor, steer_table: torch.Tensor) -> None:
+    """Build the eager steering kernel now (a first Triton call compiles it: about half a second of the forward
+    thread, during which no step runs), on a row of zeros that row 0 of the table leaves as it is. ``steer_table``:
+    the bank's ``[layers, hooks, rows, width]`` tables (one row: steering is off, nothing to build)."""
+    if steer_table.is_cuda and steer_table.shape[2] > 1:
+        _steer(torch.zeros(1, steer_table.shape[-1], dtype=steer_table.dtype, device=steer_table.device),
+               steer_index, steer_table[0, 0])
 
 
 def _site_fake(hidden, residual, steer_index, steer_table, patch_index, patch_values, patch_alpha, read_slot,
