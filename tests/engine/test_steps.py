@@ -57,3 +57,26 @@ def test_a_step_no_request_uses_a_feature_in_plans_nothing_and_one_that_does_pla
         assert reads.sites == {(0, HOOK_INDEX["pre_attn"])} and reads.rows.tolist() == [0]
     finally:
         store.close()
+
+
+def test_a_step_after_the_last_read_disarms_the_graph_read_buffers_before_steps_plan_nothing():
+    capture = validate_capture_spec({"inline": {"hooks": {"post_block": [1]}, "positions": "last_prompt"}},
+                                    engine=EngineFacts(LAYERS), consumers={"inline": InlineConsumer})
+    requests = {"capturing": {EXTRA_ARGS_KEY: {"capture": spec_to_wire(capture)}}}
+    store = make_store(graph_read_rows=3)  # steps of up to 8 tokens may replay graphs: their reads are armed
+    runner = _Runner(requests)
+    runner.attach(store, None, None)
+    read_slot = store.bank.read_slot
+    try:
+        runner._interp_admit("capturing", requests["capturing"], 4)
+        steps = []
+        for position in (3, 4, 5):  # its last prompt token (read), then two decode tokens (nothing to read)
+            runner._interp_plan(["capturing"], np.array([0, 1]), np.array([position]))
+            steps.append(runner._interp_step)
+            runner._interp_retire()
+            if position == 3:
+                assert read_slot.tolist()[0] == 0  # armed for the replay
+        assert steps[0] is not None and steps[1] is None and steps[2] is None
+        assert (read_slot == -1).all()  # the step after the read disarmed what the read armed
+    finally:
+        store.close()

@@ -168,5 +168,7 @@ def test_an_unsteered_batch_stays_unsteered_until_a_global_vector_is_set():
     request = lambda req_id: (None, 8)  # noqa: E731
     assert tables.step_index(layout, request) is None
     assert tables.step_index(layout, request) is None  # steady: no token steered, whatever it schedules
+    assert tables.unsteered(["p"]) and not tables.unsteered(["p", "q"])
     tables.set_global(_vectors(0, prefill=["2.pre_attn"]))
+    assert not tables.unsteered(["p"])
     assert tables.step_index(layout, request).tolist() == [GLOBAL_ROWS["prefill"]] * 3

@@ -474,6 +474,11 @@ class CaptureStore:
         return bool(self._live)
 
     @property
+    def quiet(self) -> bool:
+        """No request may read and the graph read buffers name no rows or sites: a step needs no read plan."""
+        return not self._reading and self._armed_rows is None and not self._armed_sites
+
+    @property
     def reading_ids(self) -> set[str]:
         """The live requests that may still read: the only ones a step plans reads for."""
         return self._reading

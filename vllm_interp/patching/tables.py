@@ -124,6 +124,11 @@ class PatchTables:
         while len(self._statuses) > MAX_UNCLAIMED_STATUSES:  # callers that went away never ask
             self._statuses.pop(next(iter(self._statuses)))
 
+    @property
+    def quiet(self) -> bool:
+        """No request has patches to apply and the last step's patch entries are cleared: a step needs no plan."""
+        return not self.patched_ids and self._dirty is None
+
     def plan(self, slices: list[BatchSlice]) -> StepPatches | None:
         """Write this step's patch rows into the site op's buffers (which a replayed CUDA graph reads), and
         return them per site (which the op applies directly when it runs eagerly); None: nothing patched."""

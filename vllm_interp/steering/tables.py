@@ -147,6 +147,12 @@ class SteeringTables:
             self._steered_sites = _sites(self.global_vectors).union(*(slot.sites for slot in self._slots.values()))
         return self._steered_sites
 
+    def unsteered(self, req_ids: list[str]) -> bool:
+        """Whether a step of ``req_ids`` steers no token, as the last step of the same batch did: such a step
+        needs no index (``step_index`` would answer None and ``load_index`` leave the buffer as it is)."""
+        steady = self._steady
+        return steady is not None and steady[1] is None and req_ids == steady[0]
+
     def step_index(self, layout: BatchLayout,
                    request: Callable[[str], tuple[dict[str, Any] | None, int]]) -> np.ndarray | None:
         """The step's table row of every token (None: none steered), with the step's new requests looked up

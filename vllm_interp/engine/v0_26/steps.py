@@ -58,11 +58,12 @@ class InterpSteps:
     def _interp_plan(self, req_ids: list[str], query_start_loc: np.ndarray, num_computed: np.ndarray) -> None:
         """Plan the step laid out as vLLM's runner laid it out (``num_computed``: per request, in batch order)."""
         self._interp_step = None
-        if self.interp_steering is None and self.interp_patching is None and not self.interp_store.capturing:
+        steering, patching = self.interp_steering, self.interp_patching
+        if ((steering is None or steering.unsteered(req_ids)) and (patching is None or patching.quiet)
+                and self.interp_store.quiet):
             return  # nothing to plan: the step runs as on an engine without vllm-interp
         layout = BatchLayout.of(req_ids, query_start_loc, num_computed)
         steer = self._plan_steering(layout)
-        patching = self.interp_patching
         # Patching and capture act on a few requests of a large batch: only theirs get planned.
         patch = None if patching is None else patching.plan(layout.slices(only=patching.patched_ids))
         reads = self.interp_store.plan_reads(layout)
