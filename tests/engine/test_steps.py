@@ -5,10 +5,7 @@ feature enabled."""
 import numpy as np
 import torch
 
-from tests.capture.test_store import HIDDEN, LAYERS, make_store
-from vllm_interp.capture.consumer import EngineFacts
-from vllm_interp.capture.consumers.inline import InlineConsumer
-from vllm_interp.capture.spec import spec_to_wire, validate_capture_spec
+from tests.capture.test_store import HIDDEN, extra_args, make_store
 from vllm_interp.engine.v0_26.steps import InterpSteps
 from vllm_interp.hooks import HOOK_INDEX, site_name
 from vllm_interp.models.registry import SiteBank
@@ -31,11 +28,9 @@ class _Runner(InterpSteps):
 
 def test_a_step_no_request_uses_a_feature_in_plans_nothing_and_one_that_does_plans_its_work():
     steered = SteeringVectors({"base": {site_name(1, "post_block"): np.ones(HIDDEN, np.float32)}})
-    capture = validate_capture_spec({"inline": {"hooks": {"pre_attn": [0]}, "positions": "all"}},
-                                    engine=EngineFacts(LAYERS), consumers={"inline": InlineConsumer})
     requests = {"plain": None,
                 "steered": {EXTRA_ARGS_KEY: {"steering": {"vectors": steered.to_wire(), "digest": "s"}}},
-                "capturing": {EXTRA_ARGS_KEY: {"capture": spec_to_wire(capture)}}}
+                "capturing": extra_args("k", "all")}  # post_block of layer 1
     bank = SiteBank.allocate([0, 1], hidden_size=HIDDEN, dtype=torch.float32, device=torch.device("cpu"),
                              max_tokens=8, steer_rows=table_rows(2), patch_slots=4, graph_read_rows=0)
     store = make_store()
@@ -54,15 +49,13 @@ def test_a_step_no_request_uses_a_feature_in_plans_nothing_and_one_that_does_pla
         runner._interp_finish({"steered"})
         assert plan("plain", 6) is None  # the steered request left: nothing to do again
         reads = plan("capturing", 4).site_reads
-        assert reads.sites == {(0, HOOK_INDEX["pre_attn"])} and reads.rows.tolist() == [0]
+        assert reads.sites == {(1, HOOK_INDEX["post_block"])} and reads.rows.tolist() == [0]
     finally:
         store.close()
 
 
 def test_a_step_after_the_last_read_disarms_the_graph_read_buffers_before_steps_plan_nothing():
-    capture = validate_capture_spec({"inline": {"hooks": {"post_block": [1]}, "positions": "last_prompt"}},
-                                    engine=EngineFacts(LAYERS), consumers={"inline": InlineConsumer})
-    requests = {"capturing": {EXTRA_ARGS_KEY: {"capture": spec_to_wire(capture)}}}
+    requests = {"capturing": extra_args("k", "last_prompt")}
     store = make_store(graph_read_rows=3)  # steps of up to 8 tokens may replay graphs: their reads are armed
     runner = _Runner(requests)
     runner.attach(store, None, None)

@@ -162,8 +162,10 @@ class SteeringTables:
         of the request lists; other steps a membership test per request and, when some request is steered, a
         dictionary read per request and array operations."""
         req_ids = layout.req_ids
+        if self.unsteered(req_ids):
+            return None
         steady = self._steady
-        if steady is not None and req_ids == steady[0] and (steady[1] is None or layout.total_tokens == len(req_ids)):
+        if steady is not None and layout.total_tokens == len(req_ids) and req_ids == steady[0]:
             return steady[1]
         by_req, facts = self._by_req, self._step_facts
         new = [req_id for req_id in req_ids if req_id not in facts]  # (facts' keys are a subset of by_req's)
@@ -211,7 +213,7 @@ class SteeringTables:
         if index is loaded:  # a steady batch's step (``step_index``): the buffer holds its map already
             return
         if index is not None and loaded is not None and np.array_equal(index, loaded):
-            return  # a steady batch's decode steps point at the same rows: the buffer holds them already
+            return  # the same map planned again (a batch that was not steady): the buffer holds it already
         count = 0 if index is None else index.shape[0]
         used = 0 if loaded is None else loaded.shape[0]
         target = self.bank.steer_index
