@@ -61,9 +61,9 @@ def summarise(paths: list[Path], thread: str, top: int, match: str | None) -> st
         for label, frames, count in stacks:
             threads[i][label] += count
             if thread in label:
-                for name in {function_of(frame) for frame in frames}:
-                    if match is None or match in name:
-                        functions[i][name] += count
+                # ``--match`` reads the whole frame (its file's path names the package), the table the short name.
+                for name in {function_of(frame) for frame in frames if match is None or match in frame}:
+                    functions[i][name] += count
     lines = ["| thread | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     busiest = sorted(set().union(*threads), key=lambda label: -max(c[label] for c in threads))[:top]
     lines += [f"| `{label}` | " + " | ".join(str(c[label]) for c in threads) + " |" for label in busiest]

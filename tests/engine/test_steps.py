@@ -73,3 +73,41 @@ def test_a_step_after_the_last_read_disarms_the_graph_read_buffers_before_steps_
         assert (read_slot == -1).all()  # the step after the read disarmed what the read armed
     finally:
         store.close()
+
+
+def test_the_steady_decode_steps_of_a_steered_batch_take_the_last_plan_without_planning_it_again():
+    steered = SteeringVectors({"decode": {site_name(1, "post_block"): np.ones(HIDDEN, np.float32)}})
+    requests = {"plain": None, "capturing": extra_args("k", "all"),
+                "steered": {EXTRA_ARGS_KEY: {"steering": {"vectors": steered.to_wire(), "digest": "s"}}}}
+    bank = SiteBank.allocate([0, 1], hidden_size=HIDDEN, dtype=torch.float32, device=torch.device("cpu"),
+                             max_tokens=8, steer_rows=table_rows(2), patch_slots=4, graph_read_rows=0)
+    store = make_store()
+    runner, tables = _Runner(requests), SteeringTables(bank, 2)
+    runner.attach(store, tables, PatchTables(bank, SourceStore()))
+    indexed: list[list[str]] = []
+    step_index = tables.step_index
+    tables.step_index = lambda layout, request: indexed.append(layout.req_ids) or step_index(layout, request)
+    try:
+        def plan(req_ids: list[str], tokens: list[int], computed: list[int]):
+            for req_id in req_ids:
+                runner._interp_admit(req_id, requests[req_id], 4)
+            runner._interp_plan(req_ids, np.cumsum([0, *tokens]), np.array(computed))
+            return runner._interp_retire()
+
+        sites = {(1, HOOK_INDEX["post_block"])}
+        batch = ["steered", "plain"]
+        assert plan(batch, [4, 1], [0, 6]).steer == sites  # the steered prompt whole, beside a decode token
+        first_decode = plan(batch, [1, 1], [4, 7])  # planned: its tokens moved from prefill rows to decode rows
+        assert first_decode.steer == sites and len(indexed) == 2
+        decode_row = tables._slots["s"].row("decode")
+        assert bank.steer_index[:2].tolist() == [decode_row, 0]
+        steady = plan(batch, [1, 1], [5, 8])
+        assert steady.steer == sites and steady.reads.num_rows == 0 and steady.site_reads is None
+        assert plan(batch, [1, 1], [6, 9]) is steady and len(indexed) == 2  # taken as it was: nothing planned
+        assert bank.steer_index[:2].tolist() == [decode_row, 0]
+        assert plan(["plain", "steered"], [1, 1], [10, 7]).steer == sites and len(indexed) == 3  # a new order
+        assert bank.steer_index[:2].tolist() == [0, decode_row]
+        joined = plan(["plain", "steered", "capturing"], [1, 1, 4], [11, 8, 0])  # a capture joins: planned
+        assert joined.steer == sites and joined.site_reads.rows.tolist() == [2, 3, 4, 5] and len(indexed) == 4
+    finally:
+        store.close()

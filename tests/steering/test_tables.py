@@ -155,6 +155,9 @@ def test_a_steady_batch_takes_its_last_index_until_a_token_would_change_rows():
     first_decode = step([4, 10])  # not the last index: "a" moved from its prefill row to its decode row
     assert first_decode.tolist() == [decode, 0]
     assert step([5, 11]) is first_decode and step([6, 12]) is first_decode  # steady: nothing planned again
+    # The same batch with two tokens for "a" (a draft token to verify): its rows planned for this step.
+    layout = BatchLayout.of(["a", "b"], np.array([0, 2, 3]), np.array([7, 13]))
+    assert tables.step_index(layout, request).tolist() == [decode, decode, 0]
     assert step([7, 13], ("b", "a")).tolist() == [0, decode]  # another order: planned again
     tables.set_global(_vectors(2, base=["0.post_attn"]))
     rows = step([8, 14], ("b", "a"))
@@ -168,7 +171,10 @@ def test_an_unsteered_batch_stays_unsteered_until_a_global_vector_is_set():
     request = lambda req_id: (None, 8)  # noqa: E731
     assert tables.step_index(layout, request) is None
     assert tables.step_index(layout, request) is None  # steady: no token steered, whatever it schedules
-    assert tables.unsteered(["p"]) and not tables.unsteered(["p", "q"])
+    tables.load_index(None)
+    # Any step of the batch repeats the index (a prefill chunk too), one of another batch does not.
+    assert tables.repeats(["p"], 3) and tables.repeats(["p"], 1) and not tables.repeats(["p", "q"], 2)
+    assert not tables.steers
     tables.set_global(_vectors(0, prefill=["2.pre_attn"]))
-    assert not tables.unsteered(["p"])
+    assert not tables.repeats(["p"], 3)
     assert tables.step_index(layout, request).tolist() == [GLOBAL_ROWS["prefill"]] * 3

@@ -147,11 +147,19 @@ class SteeringTables:
             self._steered_sites = _sites(self.global_vectors).union(*(slot.sites for slot in self._slots.values()))
         return self._steered_sites
 
-    def unsteered(self, req_ids: list[str]) -> bool:
-        """Whether a step of ``req_ids`` steers no token, as the last step of the same batch did: such a step
-        needs no index (``step_index`` would answer None and ``load_index`` leave the buffer as it is)."""
+    def repeats(self, req_ids: list[str], total_tokens: int) -> bool:
+        """Whether a step of ``req_ids`` (``total_tokens`` tokens in all) takes the index the last step of the
+        same batch took, which the buffer holds: ``step_index`` would answer it and ``load_index`` leave the
+        buffer as it is. So it does when no token of the batch was steered (a slot or a global vector comes only
+        with a new request or ``set_global``), and for a decode step of one token each after a decode step of
+        the batch (positions only move on: every token stays past its prompt, at its decode row)."""
         steady = self._steady
-        return steady is not None and steady[1] is None and req_ids == steady[0]
+        return steady is not None and req_ids == steady[0] and (steady[1] is None or total_tokens == len(req_ids))
+
+    @property
+    def steers(self) -> bool:
+        """Whether the index buffer steers some token of the step it was loaded for."""
+        return self._loaded is not None
 
     def step_index(self, layout: BatchLayout,
                    request: Callable[[str], tuple[dict[str, Any] | None, int]]) -> np.ndarray | None:
@@ -162,11 +170,8 @@ class SteeringTables:
         of the request lists; other steps a membership test per request and, when some request is steered, a
         dictionary read per request and array operations."""
         req_ids = layout.req_ids
-        if self.unsteered(req_ids):
-            return None
-        steady = self._steady
-        if steady is not None and layout.total_tokens == len(req_ids) and req_ids == steady[0]:
-            return steady[1]
+        if self.repeats(req_ids, layout.total_tokens):
+            return self._steady[1]
         by_req, facts = self._by_req, self._step_facts
         new = [req_id for req_id in req_ids if req_id not in facts]  # (facts' keys are a subset of by_req's)
         if len(by_req) > len(req_ids) - len(new):  # some looked-up request is not in this batch

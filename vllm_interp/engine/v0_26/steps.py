@@ -16,7 +16,7 @@ import numpy as np
 from vllm_interp.capture.store import CaptureStore
 from vllm_interp.models.site_ops import STEP, StepPatches, StepReads
 from vllm_interp.patching.tables import PatchTables
-from vllm_interp.row_plan import BatchLayout, ReadPlan
+from vllm_interp.row_plan import NO_READS, BatchLayout, ReadPlan
 from vllm_interp.steering.tables import SteeringTables
 
 
@@ -33,6 +33,7 @@ class InterpSteps:
     interp_steering: SteeringTables | None
     interp_patching: PatchTables | None
     _interp_step: StepPlan | None = None
+    _interp_steering_only: StepPlan | None = None
 
     def attach(self, store: CaptureStore, steering: SteeringTables | None, patching: PatchTables | None) -> None:
         self.interp_store, self.interp_steering, self.interp_patching = store, steering, patching
@@ -59,9 +60,14 @@ class InterpSteps:
         """Plan the step laid out as vLLM's runner laid it out (``num_computed``: per request, in batch order)."""
         self._interp_step = None
         steering, patching = self.interp_steering, self.interp_patching
-        if ((steering is None or steering.unsteered(req_ids)) and (patching is None or patching.quiet)
-                and self.interp_store.quiet):
-            return  # nothing to plan: the step runs as on an engine without vllm-interp
+        if ((patching is None or patching.quiet) and self.interp_store.quiet
+                and (steering is None or steering.repeats(req_ids, int(query_start_loc[len(req_ids)])))):
+            # Nothing reads or patches, and the step steers as the last step of its batch did (every decode step
+            # of a steady batch) or not at all: the index buffer holds its map, so only an eager forward needs
+            # the plan, to know where to add.
+            if steering is not None and steering.steers:
+                self._interp_step = self._steering_only(steering.steered_sites)
+            return
         layout = BatchLayout.of(req_ids, query_start_loc, num_computed)
         steer = self._plan_steering(layout)
         # Patching and capture act on a few requests of a large batch: only theirs get planned.
@@ -74,6 +80,13 @@ class InterpSteps:
         # chooses between graphs and eager execution from them alike.
         if steer or patch is not None or reads.num_rows:
             self._interp_step = StepPlan(steer, patch, reads, site_reads)
+
+    def _steering_only(self, sites: frozenset[tuple[int, int]]) -> StepPlan:
+        """The plan of a step that only steers, at ``sites``: the last one made while the sites are the same."""
+        plan = self._interp_steering_only
+        if plan is None or plan.steer is not sites:
+            plan = self._interp_steering_only = StepPlan(sites, None, NO_READS, None)
+        return plan
 
     def _plan_steering(self, layout: BatchLayout) -> frozenset[tuple[int, int]]:
         tables = self.interp_steering
