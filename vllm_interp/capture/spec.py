@@ -144,8 +144,15 @@ class ConsumerSpec(BaseModel):
 
     def needs_prompt_prefix(self, prompt_len: int) -> bool:
         """Whether the spec captures prompt positions before the last one: those may be served from the
-        prefix cache (vLLM always computes the last prompt token), so the request must bypass it."""
-        return bool(self.select(np.arange(max(prompt_len - 1, 0)), prompt_len).any())
+        prefix cache (vLLM always computes the last prompt token), so the request must bypass it. Asked for every
+        capturing request on the scheduler's thread: answered from the selection's form, not a mask."""
+        match self.positions:
+            case "all" | "all_prompt":
+                return prompt_len > 1
+            case "last_prompt" | "all_generated":
+                return False
+            case explicit:
+                return min(explicit) < prompt_len - 1
 
 
 CaptureSpec = dict[str, ConsumerSpec]
