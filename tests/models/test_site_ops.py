@@ -161,3 +161,43 @@ def test_the_op_survives_torch_compile_and_sees_each_steps_plan():
         expected[2] = 2 * shift
         assert torch.equal(reads.out[(LAYER, 0)][0], expected[row])
         assert torch.equal(y, expected * 2)
+
+
+def test_the_next_layers_pre_attn_takes_the_post_block_rows_of_the_same_unchanged_stream():
+    """post_block of layer L and pre_attn of L + 1 are one point of the stream: an eager step reads it once,
+    unless the next layer is handed other tensors (a model that computes between its layers) or its pre_attn
+    site steers the stream."""
+    post_block, pre_attn = (LAYER, 2), (LAYER + 1, 0)
+    no_steering, no_index = torch.zeros(3, 1, HIDDEN), torch.zeros(4, dtype=torch.long)
+
+    def step(new_tensors: bool = False, steer_pre_attn: bool = False, patch_pre_attn: bool = False):
+        hidden, residual = torch.randn(4, HIDDEN), torch.randn(4, HIDDEN)
+        reads = StepReads(torch.tensor([1, 3]), frozenset({post_block, pre_attn}))
+        table, index = no_steering, no_index
+        if steer_pre_attn:
+            table, index = torch.zeros(3, 2, HIDDEN), torch.tensor([0, 1, 0, 1])
+            table[0, 1] = 5.0
+        STEP.reads, STEP.patch = reads, None
+        try:
+            STEP.steer = frozenset()
+            site(hidden, residual, no_index, no_steering, *NO_PATCH[:3], *NO_GRAPH_READS, *post_block, False)
+            if new_tensors:
+                residual = residual + 1.0
+            STEP.steer = frozenset({pre_attn} if steer_pre_attn else ())
+            if patch_pre_attn:  # row 3 becomes zeros
+                STEP.patch = {pre_attn: (torch.tensor([3]), torch.zeros(1, HIDDEN), torch.ones(1))}
+            site(hidden, residual, index, table, *NO_PATCH[:3], *NO_GRAPH_READS, *pre_attn, False)
+        finally:
+            STEP.reads, STEP.steer, STEP.patch = None, frozenset(), None
+        return reads.out, (hidden + residual)[[1, 3]]
+
+    out, stream = step()
+    assert out[pre_attn] is out[post_block] and torch.equal(out[pre_attn], stream)
+    out, stream = step(new_tensors=True)
+    assert out[pre_attn] is not out[post_block] and torch.equal(out[pre_attn], stream)
+    torch.testing.assert_close(out[post_block], stream - 1.0)  # read before the write
+    out, stream = step(patch_pre_attn=True)
+    assert torch.equal(out[pre_attn], stream) and not out[pre_attn][1].any() and out[post_block][1].any()
+    out, stream = step(steer_pre_attn=True)
+    assert torch.equal(out[pre_attn], stream)
+    torch.testing.assert_close(out[pre_attn], out[post_block] + 5.0)

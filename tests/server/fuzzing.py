@@ -11,7 +11,7 @@ Three parts, shared by tests/server/test_fuzz.py (a few hundred cases in CI) and
   ours shows its effect (``capture`` -> ``capture_results``, steering -> output moved, ``/v1/steering/set`` ->
   ``GET /v1/steering``, ...), and a broken one is never accepted;
 - ``BackgroundStream``: a thread sending fixed greedy requests (plain, steered, capturing) throughout, whose
-  answers must stay equal to its first ones (text, and logprobs within 1e-5).
+  answers must stay equal to its first ones (text, and logprobs within round-off: ``ROUND_OFF``).
 
 The server is the one tests/conftest.py ``server`` starts (every feature on, API key ``API_KEY``), with a
 source run ``CLEAN_RUN`` captured before fuzzing (``Fuzzer.prepare``). Global steering set by a case is always
@@ -31,6 +31,7 @@ import requests
 from hypothesis import strategies as st
 
 from tests.conftest import API_KEY, ENV_API_KEYS, HIDDEN, SAE_FEATURES, SAE_LAYER, SAE_NAME, vector
+from tests.steering.common import ROUND_OFF
 from vllm_interp import pack_vectors
 from vllm_interp.hooks import parse_site_name
 
@@ -67,7 +68,6 @@ ENDPOINT_FIELDS = {
 }
 # A steering vector of at least this norm moves the output far past round-off.
 VISIBLE_NORM = 1.0
-LOGPROB_TOLERANCE = 1e-5
 GENERATION_TIMEOUT_S = 120.0
 
 
@@ -1490,7 +1490,7 @@ class BackgroundResult:
 
 class BackgroundStream(threading.Thread):
     """Sends ``BACKGROUND_REQUESTS`` in turn until stopped; every answer must equal the first one of its kind
-    (same texts, logprobs within ``LOGPROB_TOLERANCE``; the capturing one also a result with status ok)."""
+    (same texts, logprobs within ``ROUND_OFF``; the capturing one also a result with status ok)."""
 
     def __init__(self, url: str) -> None:
         super().__init__(daemon=True, name="fuzz-background")
@@ -1526,7 +1526,7 @@ class BackgroundStream(threading.Thread):
         if output[0] == first[0] and len(output[1]) == len(first[1]):
             drift = max((abs(a - b) for a, b in zip(output[1], first[1], strict=True)), default=0.0)
             result.max_drift = max(result.max_drift, drift)
-        if not same_output(output, first, LOGPROB_TOLERANCE):
+        if not same_output(output, first, ROUND_OFF):
             result.mismatches.append(f"{name} round {result.rounds}: {output} != first {first}")
 
     def stop(self) -> BackgroundResult:

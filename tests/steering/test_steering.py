@@ -53,7 +53,9 @@ def test_global_and_request_vectors_add_up_and_capture_reads_the_steered_stream(
     # also steers (they sum), and reads the steered sites at every position (prompt chunked: 30 tokens).
     global_base, global_decode = {"post_attn": {"12": vector(3)}}, {"pre_attn": {"5": vector(4)}}
     own = {"post_attn": {"12": vector(5)}, "post_block": {"20": vector(6)}}
-    readout = {"hooks": {"pre_attn": [5], "post_attn": [12], "post_block": [20, 21]}, "positions": "all"}
+    # pre_attn 21 is the point post_block 20 reads (read once in eager steps); pre_attn 5, steered in decode
+    # steps, is not the point post_block 4 reads.
+    readout = {"hooks": {"pre_attn": [5, 21], "post_attn": [12], "post_block": [4, 20, 21]}, "positions": "all"}
     prompts = [{"prompt_token_ids": prompt_ids[3]}, {"prompt_token_ids": prompt_ids[0]}]
     params = [steered_params(greedy(), prefill_steering_vectors=own), greedy()]
     plain = smollm2_llm.generate(prompts, params[1], use_tqdm=False)

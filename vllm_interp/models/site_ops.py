@@ -37,6 +37,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vllm_interp.hooks import HOOK_INDEX
+
+PRE_ATTN, POST_BLOCK = HOOK_INDEX["pre_attn"], HOOK_INDEX["post_block"]
+
 
 @dataclass
 class StepReads:
@@ -45,6 +49,9 @@ class StepReads:
     rows: torch.Tensor  # [num_rows] token row of each read slot
     sites: frozenset[tuple[int, int]]  # (layer, hook index)
     out: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # site -> [num_rows, hidden]
+    # An eager step's last post_block read: its layer and the stream tensors it read. The next layer's pre_attn
+    # site sees that point of the stream when it is handed the same tensors (``_reread``).
+    post_block: tuple[int, torch.Tensor, torch.Tensor | None] | None = None
 
 
 # (layer, hook) -> (token rows, source values [rows, hidden], alphas [rows]) of one step's patches.
@@ -140,10 +147,30 @@ def _site(
         _steer(target, steer_index, steer_table[hook])
     if not read:
         return
+    if hook == PRE_ATTN and planned is None and not steered:
+        same = _reread(reads, layer, hidden, residual)
+        if same is not None:
+            reads.out[site] = same
+            return
     picked = flat_hidden.index_select(0, reads.rows)
     if flat_residual is not None:
         picked.add_(flat_residual.index_select(0, reads.rows))
     reads.out[site] = picked
+    if hook == POST_BLOCK:
+        reads.post_block = (layer, hidden, residual)
+
+
+def _reread(reads: StepReads, layer: int, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor | None:
+    """The rows the previous layer's post_block site read, when this pre_attn site (which writes and steers
+    nothing this step: the caller checks) is handed the very tensors that site read: the two sites are then one
+    point of the stream (a decoder layer's output is the next one's input, and the models' layer loops write it
+    nowhere in between: the post_block site is the last call of one hooked layer, pre_attn the first of the
+    next), so an all-site capture gathers it once. Identity, not version counters: inference tensors keep none.
+    None otherwise: new tensors in between, or another pipeline stage holding the previous layer."""
+    last = reads.post_block
+    if last is None or last[0] != layer - 1 or last[1] is not hidden or last[2] is not residual:
+        return None
+    return reads.out[(layer - 1, POST_BLOCK)]
 
 
 def _steer(target: torch.Tensor, steer_index: torch.Tensor, table: torch.Tensor) -> None:
