@@ -19,6 +19,7 @@ from typing import Literal
 Hook = Literal["pre_attn", "post_attn", "post_block"]
 HOOKS: tuple[Hook, ...] = ("pre_attn", "post_attn", "post_block")
 HOOK_INDEX: dict[str, int] = {hook: i for i, hook in enumerate(HOOKS)}
+PRE_ATTN, POST_ATTN, POST_BLOCK = (HOOK_INDEX[hook] for hook in HOOKS)  # the sites' hook indices
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ contribution added and the MLP's not yet. The arithmetic keeps the order of vLLM
 (``GPTNeoXLayer.forward``) so that post_block is bit-identical to the unhooked model.
 """
 
-from vllm_interp.models.hook_points import POST_ATTN, POST_BLOCK, PRE_ATTN, visit
+from vllm_interp.hooks import POST_ATTN, POST_BLOCK, PRE_ATTN
+from vllm_interp.models.hook_points import visit
 
 
 def gpt_neox_layer_forward(self, position_ids, hidden_states):

@@ -15,12 +15,8 @@ from functools import cache
 import torch
 from torch import nn
 
-from vllm_interp.hooks import HOOK_INDEX
+from vllm_interp.hooks import POST_ATTN, POST_BLOCK, PRE_ATTN
 from vllm_interp.models.site_ops import site
-
-PRE_ATTN = HOOK_INDEX["pre_attn"]
-POST_ATTN = HOOK_INDEX["post_attn"]
-POST_BLOCK = HOOK_INDEX["post_block"]
 
 
 @dataclass(frozen=True)

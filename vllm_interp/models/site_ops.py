@@ -37,9 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm_interp.hooks import HOOK_INDEX
-
-PRE_ATTN, POST_BLOCK = HOOK_INDEX["pre_attn"], HOOK_INDEX["post_block"]
+from vllm_interp.hooks import POST_BLOCK, PRE_ATTN
 
 
 @dataclass
