@@ -1,7 +1,8 @@
 """Serving benchmark: plain vLLM against `vllm-interp serve` on the same model, streaming clients, as ratios.
 
     python -m benchmarks.serve MODEL --out FILE.md [--concurrency 128] [--prompt-tokens 512]
-        [--max-tokens 512] [--requests 512] [--rounds 2] [--workloads idle,steer_distinct,...] [--pin-cpus]
+        [--max-tokens 512] [--requests 512] [--rounds 2] [--warmup-rounds 1] [--workloads idle,steer_distinct,...]
+        [--pin-cpus]
         [--torch-profile capture_inline,...] [--torch-profile-stack] [--py-spy PATH]
         [--switch-intervals-ms 5,0.5] [--function-timers] [--server-arg=--enforce-eager ...]
 
@@ -12,7 +13,10 @@ patching and the inline and filesystem consumers enabled. Every round runs each 
 fresh prompts against plain vLLM without fields (A, the baseline) and against vllm-interp with the workload's
 fields (B), A then B in even rounds and B then A in odd ones (the GPU and the host are shared, so whatever the
 first run of a pair leaves behind falls on each server alike), and drift shows as rounds that disagree. Ratios
-are feature / baseline; the summary takes the median over rounds.
+are feature / baseline; the summary takes the median over rounds. ``--warmup-rounds`` rounds (default 1) run
+every workload's pair first, with prompts of their own, and are left out of the report: a server's first run of a
+workload pays one-off costs (Triton compiling a new specialization of vLLM's attention kernel mid-run held one
+round 0's TTFT at 2.0x on an H100).
 Each run also reports the engine core's forward thread's time on a CPU and waiting for one (Linux's scheduler
 statistics) and how busy the host's CPUs were: a serving step is host-bound at these sizes, so a forward thread
 that waits for a CPU (taken by the clients or the API servers) makes that run slower, whichever server it is.
@@ -385,7 +389,9 @@ class Bench:
                                                    f"{name}: {server}", PROFILE_STEPS))
         return sections
 
-    def run_pair(self, round_index: int, name: str) -> None:
+    def run_pair(self, round_index: int, name: str, warm_up: bool = False) -> None:
+        """Run workload ``name``'s pair of round ``round_index`` (its prompts' seed) and keep its ratios, or only
+        print them when ``warm_up``."""
         seed = 1000 * round_index + WORKLOADS.index(name)
         concurrency, stream, fields = self.workload(name, seed)
         count = max(concurrency, self.args.requests) if concurrency > 1 else self.args.requests_c1
@@ -422,6 +428,9 @@ class Bench:
         if self.lens_url is not None and (lens_fields := self.lens_workload(name, seed)) is not None:
             peer = self.run(self.lens_url, prompts, stream, concurrency, lens_fields)
         baseline = stats["A"]
+        if warm_up:
+            print(f"warm-up {name}: {describe(baseline)} | {describe(stats[intervals[0]])}", flush=True)
+            return
         for interval in intervals:
             label = name if interval is None else f"{name} @ {interval:g} ms"
             # The peer's run is compared once, on the first label, not repeated per interval.
@@ -501,8 +510,8 @@ def report(bench: Bench, started: str, card: str, wall_s: float, kv_tokens: tupl
              f"- Model runner (both servers): {args.runner}; server args: `{' '.join(args.server_arg)}`",
              f"- KV cache: plain {kv_tokens[0]} tokens, vllm-interp {kv_tokens[1]} tokens"
              + (f", vllm-lens {kv_tokens[2]} tokens" if len(kv_tokens) > 2 else ""),
-             f"- Started {started}; {args.rounds} rounds, A (plain) and B (vllm-interp) per workload, A first in "
-             f"even rounds and B first in odd ones; {wall_s:.0f} s",
+             f"- Started {started}; {args.rounds} rounds after {args.warmup_rounds} warm-up (not reported), A (plain) "
+             f"and B (vllm-interp) per workload, A first in even rounds and B first in odd ones; {wall_s:.0f} s",
              "", *comparison_table([(r, name, a, b) for r, name, a, b, _ in bench.pairs], "B",
                                    "Median over rounds (feature / baseline):")]
     lines += ["", "Where the time to the first token goes, mean ms per request (client; from each server's "
@@ -585,6 +594,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--warmup-rounds", type=int, default=1, help="rounds first, left out of the report")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--runner", choices=("default", "v1"), default="default",
                         help="default: the one vLLM picks (V2 on GPUs); v1: VLLM_USE_V2_MODEL_RUNNER=0")
@@ -672,6 +682,9 @@ def main() -> None:
         warm_up = [bench.body(p) for p in bench.prompts(99, 2)]  # first requests pay one-off costs; not reported
         for url, _ in servers.values():
             run_requests(url, warm_up, 2)
+        for extra in range(args.warmup_rounds):  # seeds past the measured rounds': prompts of their own
+            for name in names:
+                bench.run_pair(args.rounds + extra, name, warm_up=True)
         for round_index in range(args.rounds):
             for name in names:
                 bench.run_pair(round_index, name)
