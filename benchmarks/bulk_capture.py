@@ -30,7 +30,9 @@ how many blocks torch's pinned cache pinned afresh during the phase (and the ms 
 many blocks of memory the consumers' hosts made for requests' rows instead of reusing a spare one,
 the bytes of the sink's shards (each sink phase's deleted once counted, so that long runs fit the disk), the
 server processes' peak resident memory, the server's busiest threads' time on a CPU and waiting for one in each
-phase (Linux's scheduler statistics: a forward thread that is neither is blocked, on a lock, the device or I/O),
+phase (Linux's scheduler statistics: a forward thread that is neither is blocked, on a lock, the device or I/O;
+a lone thread busy 90% of a phase or more is named as its limit: with one API server at 64 streams, its event
+loop, already in ``plain``; ``--server-arg=--api-server-count --server-arg=4`` spreads it),
 and, on the capture root's disk, the rate of the sink's own shard writer
 against a plain sequential write of the same bytes (A B A B, each synced to disk); ``--disk-only`` measures only
 that, without a server.
@@ -288,9 +290,14 @@ def sink_against_disk(phases: list[Phase], rates: list[tuple[float, float]]) -> 
     return lines
 
 
+BUSY_SHARE = 0.9  # a lone thread on a CPU this share of a phase or more is what the phase's rate waits on
+
+
 def threads_section(phases: list[Phase], shown: int = 8) -> list[str]:
     """Per phase, the server's busiest threads: the median over the measured rounds of their time on a CPU and
-    waiting for one, against the phase's wall time (what is neither, a thread spent blocked or idle)."""
+    waiting for one, against the phase's wall time (what is neither, a thread spent blocked or idle), and the
+    lone threads busy ``BUSY_SHARE`` of it or more: an API server's event loop there means the phase measured
+    the API server (one API server at 64 streams: 93% busy serving plain requests on an H100 host)."""
     measured = [p for p in phases if p.round_index >= 0 and p.stats.threads]
     if not measured:
         return []
@@ -298,6 +305,7 @@ def threads_section(phases: list[Phase], shown: int = 8) -> list[str]:
              "the rest of the phase's wall a thread was blocked or idle; `/proc/<pid>/task/<tid>/schedstat`):", "",
              "| phase | wall ms | thread (threads of that name) | on a CPU ms | waiting for a CPU ms |",
              "|---|---|---|---|---|"]
+    busy = []
     for name in dict.fromkeys(p.label for p in measured):
         rounds = [p for p in measured if p.label == name]
         wall = statistics.median(p.stats.wall_s * 1e3 for p in rounds)
@@ -308,7 +316,10 @@ def threads_section(phases: list[Phase], shown: int = 8) -> list[str]:
                    for label, clocks in by_label.items()}
         for label, (threads, ran, queued) in sorted(medians.items(), key=lambda kv: -kv[1][1])[:shown]:
             lines.append(f"| {name} | {wall:.0f} | `{label}` ({threads}) | {ran:.0f} | {queued:.0f} |")
-    return lines
+        busy += [f"{name}: `{label}` {ran / wall:.0%}" for label, (threads, ran, _) in medians.items()
+                 if threads == 1 and ran >= BUSY_SHARE * wall]
+    return lines + ["", f"Lone threads on a CPU {BUSY_SHARE:.0%} of a phase or more (its limit): "
+                    + ("; ".join(busy) if busy else "none") + "."]
 
 
 def disk_section(rates: list[tuple[float, float]]) -> list[str]:
