@@ -24,8 +24,10 @@ cache filling, the consumer's shared blocks mapped, a sink burst on an H200 host
 plain in its first round and 0.46-0.66 in the next three), so they are listed but left out of the medians.
 Reported: throughput and TPOT of each phase against ``plain`` of the same round, TTFT of the plain phases after a
 burst against that ``plain`` (run before the bursts), the bytes of rows each capturing phase captured and their
-rate, how its capturing steps read (inside replayed CUDA graphs or eagerly, and how many as a steady batch's: the
-worker's ``interp_capture_steps``, through vLLM's dev-mode ``/collective_rpc``, which the server is started with),
+rate, how many steps the engine ran and how its capturing steps read (inside replayed CUDA graphs or eagerly, and
+how many as a steady batch's), how many asks for capture results the worker answered (every API server polls for
+its own streams) and in how many ms of its forward thread (the worker's ``interp_capture_steps``, through vLLM's
+dev-mode ``/collective_rpc``, which the server is started with),
 how many blocks torch's pinned cache pinned afresh during the phase (and the ms that took) and unpinned, how
 many blocks of memory the consumers' hosts made for requests' rows instead of reusing a spare one,
 the bytes of the sink's shards (each sink phase's deleted once counted, so that long runs fit the disk), the
@@ -235,8 +237,9 @@ def report(args: argparse.Namespace, phases: list[Phase], rates: list[tuple[floa
              "unpacking and conversion there; `vllm_interp/server/metrics.py`)", "",
              "| round | phase | TTFT ms | TPOT ms | last gap ms | results wait / prepare ms | tok/s | "
              "throughput / plain | TPOT / plain | TTFT / plain | captured MB | captured MB/s | "
-             "capturing steps graph / eager / steady | pinned afresh / ms / unpinned | rows' blocks made | errors |",
-             "|" + "---|" * 16]
+             "steps | capturing steps graph / eager / steady | results asks / ms | pinned afresh / ms / unpinned | "
+             "rows' blocks made | errors |",
+             "|" + "---|" * 18]
     summary: dict[str, list[tuple[float | None, ...]]] = {}
     for phase in phases:  # warm-up rounds (negative) are listed, not summarised
         base = next(p.stats for p in phases if p.round_index == phase.round_index and p.name == "plain"
@@ -253,11 +256,14 @@ def report(args: argparse.Namespace, phases: list[Phase], rates: list[tuple[floa
         pinned = (" / ".join(fmt(phase.steps[k]) for k in ("pinned", "pinned_ms", "unpinned"))
                   if phase.steps and "pinned" in phase.steps else "-")
         made = fmt(phase.steps["blocks_made"], 0) if phase.steps and "blocks_made" in phase.steps else "-"
+        ran = fmt(phase.steps["steps"], 0) if phase.steps and "steps" in phase.steps else "-"
+        asks = (f"{phase.steps['results_asks']:.0f} / {phase.steps['results_ms']:.0f}"
+                if phase.steps and "results_asks" in phase.steps else "-")
         label = phase.round_index if phase.round_index >= 0 else "warm-up"
         lines.append(f"| {label} | {phase.label} | {fmt(s.ttft_ms())} | {fmt(s.tpot_ms(), 2)} | "
                      f"{fmt(s.last_gap_ms())} | {results} | {s.throughput():.0f} | "
                      + " | ".join(fmt(r, 3) for r in ratios)
-                     + f" | {sink} | {steps} | {pinned} | {made} | {s.errors} |")
+                     + f" | {sink} | {ran} | {steps} | {asks} | {pinned} | {made} | {s.errors} |")
     lines += ["", "Median over rounds (against `plain` of the same round):", "",
               "| phase | throughput | TPOT | TTFT |", "|---|---|---|---|"]
     for name, rows in summary.items():

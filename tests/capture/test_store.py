@@ -281,6 +281,14 @@ def test_steps_without_wanted_positions_read_nothing_and_unknown_keys_answer_emp
     store.close()
 
 
+def test_asks_for_results_are_counted_with_the_time_spent_answering_them():
+    store = make_store()
+    for _ in range(2):
+        store.results({"nosuch": 3}, wait_s=0)
+    assert store.results_asks["asks"] == 2 and store.results_asks["seconds"] > 0
+    store.close()
+
+
 def test_results_nobody_claims_are_bounded(monkeypatch):
     monkeypatch.setattr(store_module, "MAX_UNCLAIMED_RESULTS", 2)
     store = make_store()

@@ -50,6 +50,7 @@ def test_a_step_no_request_uses_a_feature_in_plans_nothing_and_one_that_does_pla
         assert plan("plain", 6) is None  # the steered request left: nothing to do again
         reads = plan("capturing", 4).site_reads
         assert reads.sites == {(1, HOOK_INDEX["post_block"])} and reads.rows.tolist() == [0]
+        assert runner.interp_steps_planned == 5  # every step counts, those that plan nothing too
     finally:
         store.close()
 

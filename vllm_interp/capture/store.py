@@ -19,6 +19,7 @@ on in a part is never handed on again, even if a preempted request computes it a
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable, Container, Iterable
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
@@ -421,6 +422,9 @@ class CaptureStore:
         # Steps that read rows, by how the sites read them: inside a replayed CUDA graph, or eagerly; and how
         # many of them were collected as a steady batch's (``_SteadyReads``).
         self.read_steps = {"graph": 0, "eager": 0, "steady": 0}
+        # The callers' asks for results (``results``; each API server polls on its own) and the seconds this
+        # thread spent answering them: the forward thread's, between steps.
+        self.results_asks = {"asks": 0, "seconds": 0.0}
         self._warm_reductions()
 
     def _warm_reductions(self) -> None:
@@ -800,6 +804,14 @@ class CaptureStore:
         ``wait_s`` allows), waits up to ``wait_s`` for their consumers, and returns (and forgets) the results
         of those whose consumers all finished; the caller asks again for the rest.
         """
+        started = time.perf_counter()
+        try:
+            return self._answer(lengths, wait_s)
+        finally:
+            self.results_asks["asks"] += 1
+            self.results_asks["seconds"] += time.perf_counter() - started
+
+    def _answer(self, lengths: dict[str, int | None], wait_s: float) -> dict[str, dict[str, dict[str, Any]]]:
         for key, length in lengths.items():
             req_id = self._by_key.get(key)
             entry = self._entries.get(req_id) if req_id is not None else None

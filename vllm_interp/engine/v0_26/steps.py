@@ -34,10 +34,12 @@ class InterpSteps:
     interp_patching: PatchTables | None
     _interp_step: StepPlan | None = None
     _interp_steering_only: StepPlan | None = None
+    interp_steps_planned: int = 0  # every step the runner ran (dummy runs aside), for the serving benchmarks
 
     def attach(self, store: CaptureStore, steering: SteeringTables | None, patching: PatchTables | None) -> None:
         self.interp_store, self.interp_steering, self.interp_patching = store, steering, patching
         self._interp_step = None
+        self.interp_steps_planned = 0
 
     def interp_request(self, req_id: str) -> tuple[dict[str, Any] | None, int]:
         """A scheduled request's ``extra_args`` (where its specs travel) and prompt length."""
@@ -59,6 +61,7 @@ class InterpSteps:
     def _interp_plan(self, req_ids: list[str], query_start_loc: np.ndarray, num_computed: np.ndarray) -> None:
         """Plan the step laid out as vLLM's runner laid it out (``num_computed``: per request, in batch order)."""
         self._interp_step = None
+        self.interp_steps_planned += 1
         steering, patching = self.interp_steering, self.interp_patching
         if ((patching is None or patching.quiet) and self.interp_store.quiet
                 and (steering is None or steering.repeats(req_ids, int(query_start_loc[len(req_ids)])))):
