@@ -119,6 +119,14 @@ class Phase:
         return self.name if self.interval_ms is None else f"{self.name} @ {self.interval_ms:g} ms"
 
 
+def step_counts(phase: Phase, *keys: str, digits: int = 1) -> str:
+    """A report cell of the phase's ``interp_capture_steps`` counts, ``a / b / c``; ``-`` where the worker did
+    not report them (the first key missing: a count the worker's tree did not have yet, or pinned memory off
+    the GPU)."""
+    counts = phase.steps
+    return " / ".join(fmt(counts[k], digits) for k in keys) if counts and keys[0] in counts else "-"
+
+
 def round_order(names: list[str], round_index: int) -> list[str]:
     """The phases of a round: ``plain`` first (the baseline that the plain phases after a burst are held to),
     then the bursts as listed in even rounds and in reverse in odd ones, each ``plain_after*`` phase kept right
@@ -252,18 +260,16 @@ def report(args: argparse.Namespace, phases: list[Phase], rates: list[tuple[floa
         captured = phase.captured_bytes / 1e6
         sink = f"{captured:.0f} | {captured / s.wall_s:.0f}" if captured else "- | -"
         results = " / ".join(fmt(s.engine_ms.get(label)) for label in RESULTS_METRICS)
-        steps = " / ".join(str(phase.steps[k]) for k in ("graph", "eager", "steady")) if phase.steps else "-"
-        pinned = (" / ".join(fmt(phase.steps[k]) for k in ("pinned", "pinned_ms", "unpinned"))
-                  if phase.steps and "pinned" in phase.steps else "-")
-        made = fmt(phase.steps["blocks_made"], 0) if phase.steps and "blocks_made" in phase.steps else "-"
-        ran = fmt(phase.steps["steps"], 0) if phase.steps and "steps" in phase.steps else "-"
-        asks = (f"{phase.steps['results_asks']:.0f} / {phase.steps['results_ms']:.0f}"
-                if phase.steps and "results_asks" in phase.steps else "-")
+        steps = step_counts(phase, "graph", "eager", "steady", digits=0)
+        pinned = step_counts(phase, "pinned", "pinned_ms", "unpinned")
+        made = step_counts(phase, "blocks_made", digits=0)
+        steps_run = step_counts(phase, "steps", digits=0)
+        asks = step_counts(phase, "results_asks", "results_ms", digits=0)
         label = phase.round_index if phase.round_index >= 0 else "warm-up"
         lines.append(f"| {label} | {phase.label} | {fmt(s.ttft_ms())} | {fmt(s.tpot_ms(), 2)} | "
                      f"{fmt(s.last_gap_ms())} | {results} | {s.throughput():.0f} | "
                      + " | ".join(fmt(r, 3) for r in ratios)
-                     + f" | {sink} | {ran} | {steps} | {asks} | {pinned} | {made} | {s.errors} |")
+                     + f" | {sink} | {steps_run} | {steps} | {asks} | {pinned} | {made} | {s.errors} |")
     lines += ["", "Median over rounds (against `plain` of the same round):", "",
               "| phase | throughput | TPOT | TTFT |", "|---|---|---|---|"]
     for name, rows in summary.items():
