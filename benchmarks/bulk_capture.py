@@ -24,10 +24,11 @@ cache filling, the consumer's shared blocks mapped, a sink burst on an H200 host
 plain in its first round and 0.46-0.66 in the next three), so they are listed but left out of the medians.
 Reported: throughput and TPOT of each phase against ``plain`` of the same round, TTFT of the plain phases after a
 burst against that ``plain`` (run before the bursts), the bytes of rows each capturing phase captured and their
-rate, how many steps the engine ran and how its capturing steps read (inside replayed CUDA graphs or eagerly, and
-how many as a steady batch's), how many asks for capture results the worker answered (every API server polls for
-its own streams) and in how many ms of its forward thread (the worker's ``interp_capture_steps``, through vLLM's
-dev-mode ``/collective_rpc``, which the server is started with),
+rate, how many steps the engine ran and how many of them replayed a CUDA graph, how its capturing steps read
+(inside replayed CUDA graphs or eagerly, and how many as a steady batch's), how many asks for capture results
+the worker answered (every API server polls for its own streams) and in how many ms of its forward thread
+(the worker's ``interp_capture_steps``, through vLLM's dev-mode ``/collective_rpc``, which the server is
+started with),
 how many blocks torch's pinned cache pinned afresh during the phase (and the ms that took) and unpinned, how
 many blocks of memory the consumers' hosts made for requests' rows instead of reusing a spare one,
 the bytes of the sink's shards (each sink phase's deleted once counted, so that long runs fit the disk), the
@@ -245,8 +246,8 @@ def report(args: argparse.Namespace, phases: list[Phase], rates: list[tuple[floa
              "unpacking and conversion there; `vllm_interp/server/metrics.py`)", "",
              "| round | phase | TTFT ms | TPOT ms | last gap ms | results wait / prepare ms | tok/s | "
              "throughput / plain | TPOT / plain | TTFT / plain | captured MB | captured MB/s | "
-             "steps | capturing steps graph / eager / steady | results asks / ms | pinned afresh / ms / unpinned | "
-             "rows' blocks made | errors |",
+             "steps / replayed | capturing steps graph / eager / steady | results asks / ms | "
+             "pinned afresh / ms / unpinned | rows' blocks made | errors |",
              "|" + "---|" * 18]
     summary: dict[str, list[tuple[float | None, ...]]] = {}
     for phase in phases:  # warm-up rounds (negative) are listed, not summarised
@@ -263,7 +264,7 @@ def report(args: argparse.Namespace, phases: list[Phase], rates: list[tuple[floa
         steps = step_counts(phase, "graph", "eager", "steady", digits=0)
         pinned = step_counts(phase, "pinned", "pinned_ms", "unpinned")
         made = step_counts(phase, "blocks_made", digits=0)
-        steps_run = step_counts(phase, "steps", digits=0)
+        steps_run = step_counts(phase, "steps", "replayed", digits=0)
         asks = step_counts(phase, "results_asks", "results_ms", digits=0)
         label = phase.round_index if phase.round_index >= 0 else "warm-up"
         lines.append(f"| {label} | {phase.label} | {fmt(s.ttft_ms())} | {fmt(s.tpot_ms(), 2)} | "

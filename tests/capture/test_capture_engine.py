@@ -186,3 +186,18 @@ def test_offline_capture_beyond_the_byte_bound_is_refused(smollm2_llm, prompt_id
                                     readout=one_site)[0].residuals is not None
     finally:
         smollm2_llm.frontend.limits = kept
+
+
+def test_the_worker_counts_every_step_and_on_the_cpu_none_replays_a_graph(smollm2_llm):
+    """The serving benchmarks' step counts (``interp_capture_steps``): a capturing request's every step is
+    counted, each read eagerly, and a CPU forward never replays a CUDA graph. Its prompt is its own, so no
+    prefix-cache hit shortens its prefill."""
+    chunk = 16  # the shared engine's max_num_batched_tokens
+    prompt = [(7919 * i) % 40000 + 100 for i in range(2 * chunk + 5)]  # three prefill chunks
+    before = smollm2_llm.collective_rpc("interp_capture_steps")[0]
+    (out,) = smollm2_llm.generate([{"prompt_token_ids": prompt}], _greedy(), use_tqdm=False,
+                                  capture={"inline": {"hooks": {"post_block": [29]}, "positions": "all"}})
+    after = smollm2_llm.collective_rpc("interp_capture_steps")[0]
+    ran = {key: after[key] - before[key] for key in ("steps", "replayed", "eager", "graph")}
+    assert len(out.residuals.positions) == len(prompt) + MAX_TOKENS - 1
+    assert ran == {"steps": 3 + MAX_TOKENS - 1, "replayed": 0, "eager": 3 + MAX_TOKENS - 1, "graph": 0}

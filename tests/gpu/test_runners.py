@@ -25,10 +25,12 @@ def test_the_runners_steer_alike(engines, v2, v1):
 def test_capturing_steps_replay_graphs_within_the_row_budget(engines, mode):
     (steps,) = engines.alongside(mode)[mode]["capture_steps"]  # one worker
     print_figure(f"capturing steps ({mode})", f"{steps['graph']} read inside replayed graphs, {steps['eager']} "
-                                              "ran eagerly")
+                                              f"ran eagerly; {steps['replayed']} of all {steps['steps']} steps "
+                                              "replayed a graph")
     if mode.endswith("eager"):
-        assert steps["graph"] == 0 and steps["eager"] > 0
+        assert steps["graph"] == 0 and steps["eager"] > 0 and steps["replayed"] == 0
     else:
         # Decode steps read one row per request (at most 8) inside their graphs; 16-token prefill chunks read
         # 16 rows, past the modes' budget of 8, and run eagerly.
         assert steps["graph"] > 0 and steps["eager"] > 0
+        assert steps["graph"] <= steps["replayed"] < steps["steps"]

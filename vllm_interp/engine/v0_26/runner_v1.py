@@ -11,10 +11,14 @@ model), in the order a step calls them:
 - ``_determine_batch_execution_and_padding``: a step that captures more rows than the graph read buffers
   hold (``--max-graph-capture-rows``) runs without CUDA graphs; others keep them;
 - ``_model_forward``: called once per real step (never for dummy or profile runs): the plan is published
-  around it, and consumer threads wait while it runs (``capture.dispatch.FORWARD``).
+  around it, consumer threads wait while it runs (``capture.dispatch.FORWARD``), and the step is counted as
+  replaying a CUDA graph or not (the forward context's mode).
 """
 
 from typing import Any
+
+from vllm.config import CUDAGraphMode
+from vllm.forward_context import get_forward_context
 
 from vllm_interp.capture.dispatch import FORWARD
 from vllm_interp.engine.touchpoints import Touchpoint
@@ -28,6 +32,10 @@ TOUCHPOINTS = (
     Touchpoint(f"{RUNNER}._determine_batch_execution_and_padding", "override",
                "a step capturing more rows than graphs can read asks for eager execution", params=("force_eager",)),
     Touchpoint(f"{RUNNER}._model_forward", "override", "the plan is published to the site op around the forward"),
+    Touchpoint("vllm.forward_context:get_forward_context", "call", "the mode a real step's forward runs in"),
+    Touchpoint("vllm.forward_context:ForwardContext", "read", "whether the step replays a CUDA graph (counted)",
+               params=("cudagraph_runtime_mode",)),
+    Touchpoint("vllm.config:CUDAGraphMode.NONE", "read", "the mode of a step that runs eagerly"),
     Touchpoint(f"{RUNNER}.get_model", "call", "the sites are installed on the loaded model's decoder layers"),
     Touchpoint("vllm.v1.core.sched.output:SchedulerOutput", "read", "requests arriving and finishing this step",
                params=("scheduled_new_reqs", "finished_req_ids")),
@@ -73,6 +81,7 @@ class InterpV1RunnerMixin(InterpSteps):
         return super()._determine_batch_execution_and_padding(*args, **kwargs)
 
     def _model_forward(self, *args, **kwargs):
+        self.interp_steps_replayed += get_forward_context().cudagraph_runtime_mode != CUDAGraphMode.NONE
         with FORWARD.launching():
             if self._interp_step is None:
                 return super()._model_forward(*args, **kwargs)

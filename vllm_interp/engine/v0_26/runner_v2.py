@@ -14,7 +14,7 @@ model):
   Consumer threads wait while it runs (``capture.dispatch.FORWARD``). Dummy runs (warm-up, graph capture,
   profiling) are otherwise passed through untouched.
 - ``prepare_inputs``: lays out the batch (``InputBatch``); the step is planned and published right after,
-  before the forward that ``execute_model`` runs next.
+  before the forward that ``execute_model`` runs next, and counted as replaying a CUDA graph or not.
 """
 
 from itertools import chain
@@ -38,7 +38,7 @@ TOUCHPOINTS = (
     Touchpoint("vllm.v1.worker.gpu.input_batch:InputBatch", "read", "the batch's order and each request's slice",
                params=("req_ids", "query_start_loc_np", "num_computed_tokens_np")),
     Touchpoint("vllm.v1.worker.gpu.cudagraph_utils:BatchExecutionDescriptor", "read",
-               "whether the step replays a CUDA graph", params=("cg_mode",)),
+               "whether the step replays a CUDA graph (checked against its read rows, counted)", params=("cg_mode",)),
     Touchpoint("vllm.config:CUDAGraphMode.NONE", "read", "the mode of a step that runs eagerly"),
     Touchpoint("vllm.v1.core.sched.output:SchedulerOutput", "read", "requests arriving, running and finishing",
                params=("scheduled_new_reqs", "scheduled_cached_reqs", "num_scheduled_tokens",
@@ -88,9 +88,9 @@ class InterpV2RunnerMixin(InterpSteps):
     def prepare_inputs(self, scheduler_output, batch_desc):
         batch = super().prepare_inputs(scheduler_output, batch_desc)
         self._interp_plan(batch.req_ids, batch.query_start_loc_np, batch.num_computed_tokens_np)
-        step = self._interp_step
-        if (step is not None and batch_desc.cg_mode != CUDAGraphMode.NONE
-                and not self.interp_store.fits_graph(step.reads.num_rows)):
+        step, replays = self._interp_step, batch_desc.cg_mode != CUDAGraphMode.NONE
+        self.interp_steps_replayed += replays
+        if step is not None and replays and not self.interp_store.fits_graph(step.reads.num_rows):
             # The count before vLLM's choice and the plan disagree: the replay would drop rows. Never silently.
             raise RuntimeError(f"vllm-interp planned {step.reads.num_rows} read rows for a step that replays a "
                                f"CUDA graph holding {self.interp_store.bank.graph_read_rows}")

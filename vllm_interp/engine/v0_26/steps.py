@@ -35,11 +35,12 @@ class InterpSteps:
     _interp_step: StepPlan | None = None
     _interp_steering_only: StepPlan | None = None
     interp_steps_planned: int = 0  # every step the runner ran (dummy runs aside), for the serving benchmarks
+    interp_steps_replayed: int = 0  # of these, the steps whose forward replayed a CUDA graph (the same benchmarks)
 
     def attach(self, store: CaptureStore, steering: SteeringTables | None, patching: PatchTables | None) -> None:
         self.interp_store, self.interp_steering, self.interp_patching = store, steering, patching
         self._interp_step = None
-        self.interp_steps_planned = 0
+        self.interp_steps_planned = self.interp_steps_replayed = 0
 
     def interp_request(self, req_id: str) -> tuple[dict[str, Any] | None, int]:
         """A scheduled request's ``extra_args`` (where its specs travel) and prompt length."""

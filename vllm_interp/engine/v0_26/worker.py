@@ -119,14 +119,15 @@ class InterpWorkerMixin:
         """How many steps read rows inside replayed CUDA graphs, how many ran eagerly to read them, and how many
         of these were a steady batch's (planned and collected for the batch as a whole), and how many blocks of
         memory the consumers' hosts made for requests' rows rather than reused (``capture.isolation``); how many
-        steps ran in all, and how many asks for results the worker answered, in how many ms of its forward thread;
+        steps ran in all (capturing or not) and how many of them replayed a CUDA graph; how many asks for
+        results the worker answered, in how many ms of its forward thread;
         on a GPU, also how many blocks torch's pinned cache (where captured rows land) pinned afresh, in how many
         ms, and unpinned."""
         model_runner = self.model_runner
         store = model_runner.interp_store
         counts: dict[str, float] = dict(store.read_steps)
-        counts.update(steps=model_runner.interp_steps_planned, results_asks=store.results_asks["asks"],
-                      results_ms=store.results_asks["seconds"] * 1000)
+        counts.update(steps=model_runner.interp_steps_planned, replayed=model_runner.interp_steps_replayed,
+                      results_asks=store.results_asks["asks"], results_ms=store.results_asks["seconds"] * 1000)
         counts["blocks_made"] = sum(runner.host.blocks_made for runner in store.consumers.values())
         if torch.cuda.is_available():
             stats = torch.cuda.host_memory_stats()
