@@ -24,11 +24,11 @@ cache filling, the consumer's shared blocks mapped, a sink burst on an H200 host
 plain in its first round and 0.46-0.66 in the next three), so they are listed but left out of the medians.
 Reported: throughput and TPOT of each phase against ``plain`` of the same round, TTFT of the plain phases after a
 burst against that ``plain`` (run before the bursts), the bytes of rows each capturing phase captured and their
-rate, how many steps the engine ran and how many of them replayed a CUDA graph, how its capturing steps read
-(inside replayed CUDA graphs or eagerly, and how many as a steady batch's), how many asks for capture results
-the worker answered (every API server polls for its own streams) and in how many ms of its forward thread
-(the worker's ``interp_capture_steps``, through vLLM's dev-mode ``/collective_rpc``, which the server is
-started with),
+rate, how many steps the engine ran and how many of them replayed a CUDA graph, the engine core's forward thread's
+time on a CPU per step, how its capturing steps read (inside replayed CUDA graphs or eagerly, and how many as
+a steady batch's), how many asks for capture results the worker answered (every API server polls for its own
+streams) and in how many ms of its forward thread (the worker's ``interp_capture_steps``, through vLLM's
+dev-mode ``/collective_rpc``, which the server is started with),
 how many blocks torch's pinned cache pinned afresh during the phase (and the ms that took) and unpinned, how
 many blocks of memory the consumers' hosts made for requests' rows instead of reusing a spare one,
 the bytes of the sink's shards (each sink phase's deleted once counted, so that long runs fit the disk), the
@@ -126,6 +126,14 @@ def step_counts(phase: Phase, *keys: str, digits: int = 1) -> str:
     the GPU)."""
     counts = phase.steps
     return " / ".join(fmt(counts[k], digits) for k in keys) if counts and keys[0] in counts else "-"
+
+
+def forward_ms_per_step(phase: Phase) -> float | None:
+    """The engine core's forward thread's time on a CPU per step of the phase: what a step's host work costs,
+    on the thread that bounds the step when the host does (on an H100 host it was on a CPU 91-95% of every
+    phase, plain included), apart from the clients' and API servers' share of the throughput's noise."""
+    clocks, steps = phase.stats.forward_thread(), (phase.steps or {}).get("steps")
+    return clocks[0] / steps if clocks is not None and steps else None
 
 
 def round_order(names: list[str], round_index: int) -> list[str]:
@@ -246,9 +254,9 @@ def report(args: argparse.Namespace, phases: list[Phase], rates: list[tuple[floa
              "unpacking and conversion there; `vllm_interp/server/metrics.py`)", "",
              "| round | phase | TTFT ms | TPOT ms | last gap ms | results wait / prepare ms | tok/s | "
              "throughput / plain | TPOT / plain | TTFT / plain | captured MB | captured MB/s | "
-             "steps / replayed | capturing steps graph / eager / steady | results asks / ms | "
-             "pinned afresh / ms / unpinned | rows' blocks made | errors |",
-             "|" + "---|" * 18]
+             "steps / replayed | forward thread ms on a CPU / step | capturing steps graph / eager / steady | "
+             "results asks / ms | pinned afresh / ms / unpinned | rows' blocks made | errors |",
+             "|" + "---|" * 19]
     summary: dict[str, list[tuple[float | None, ...]]] = {}
     for phase in phases:  # warm-up rounds (negative) are listed, not summarised
         base = next(p.stats for p in phases if p.round_index == phase.round_index and p.name == "plain"
@@ -265,12 +273,14 @@ def report(args: argparse.Namespace, phases: list[Phase], rates: list[tuple[floa
         pinned = step_counts(phase, "pinned", "pinned_ms", "unpinned")
         made = step_counts(phase, "blocks_made", digits=0)
         steps_run = step_counts(phase, "steps", "replayed", digits=0)
+        per_step = forward_ms_per_step(phase)
         asks = step_counts(phase, "results_asks", "results_ms", digits=0)
         label = phase.round_index if phase.round_index >= 0 else "warm-up"
         lines.append(f"| {label} | {phase.label} | {fmt(s.ttft_ms())} | {fmt(s.tpot_ms(), 2)} | "
                      f"{fmt(s.last_gap_ms())} | {results} | {s.throughput():.0f} | "
                      + " | ".join(fmt(r, 3) for r in ratios)
-                     + f" | {sink} | {steps_run} | {steps} | {asks} | {pinned} | {made} | {s.errors} |")
+                     + f" | {sink} | {steps_run} | {fmt(per_step, 2)} | {steps} | {asks} | {pinned} | {made} | "
+                       f"{s.errors} |")
     lines += ["", "Median over rounds (against `plain` of the same round):", "",
               "| phase | throughput | TPOT | TTFT |", "|---|---|---|---|"]
     for name, rows in summary.items():
