@@ -1,6 +1,6 @@
 """``logging``'s one-launch statistics kernel (GPU engines) computes what the torch reduction computes, of
-contiguous blocks and of views it reads in place: checked here on the CPU through Triton's interpreter (set
-before the kernel is built, so in a process of its own)."""
+contiguous blocks and of views it reads in place, into a tensor of its own or a given one: checked here on the
+CPU through Triton's interpreter (set before the kernel is built, so in a process of its own)."""
 
 import os
 import subprocess
@@ -23,6 +23,13 @@ buffers = torch.randn(4, 3, 9, 64)
 for view in [buffers[1:3, :, :5].flatten(0, 1), buffers[0:4, 2, :7], buffers[:, :, 2].transpose(0, 1),
              buffers[1, 1, 3], buffers[:2, :2, :3, :10]]:
     torch.testing.assert_close(row_statistics_kernel(view, len(STATS)), row_statistics(view), rtol=1e-5, atol=1e-5)
+# Into a given tensor (a step's slot of a block of steps, ``host_copies.ReducedSteps``), the rest untouched.
+steps = torch.full((3, 2 * 5 * len(STATS) + 2), -7.0)
+slot = steps[1, : 2 * 5 * len(STATS)].view(2, 5, len(STATS))
+view = buffers[1:3, 1, :5]
+assert row_statistics_kernel(view, len(STATS), slot) is slot
+torch.testing.assert_close(slot, row_statistics(view), rtol=1e-5, atol=1e-5)
+assert (steps[0] == -7).all() and (steps[2] == -7).all() and (steps[1, -2:] == -7).all()
 print("ok")
 """
 

@@ -10,7 +10,7 @@ from vllm_interp.capture import host_copies
 from vllm_interp.capture import store as store_module
 from vllm_interp.capture.consumer import ConsumerContext, EngineFacts, RowReduction
 from vllm_interp.capture.consumers.inline import InlineConsumer, ResidualReadout
-from vllm_interp.capture.consumers.logging import LoggingConsumer
+from vllm_interp.capture.consumers.logging import STATS, LoggingConsumer, row_statistics
 from vllm_interp.capture.dispatch import ConsumerRunner
 from vllm_interp.capture.isolation import InThread
 from vllm_interp.capture.spec import spec_to_wire, validate_capture_spec
@@ -536,6 +536,80 @@ def test_a_request_ending_in_a_steady_batch_waits_for_the_steps_still_in_flight(
     assert (result["status"], rows.positions) == ("ok", list(range(8)))
     assert rows.tensors["1.post_block"][:, 0].tolist() == [float(p) for p in range(8)]
     store.close()
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["reduced_in_place", "reduced_then_copied"])
+def test_a_steady_batchs_summaries_are_reduced_into_blocks_of_steps_with_the_rows_of_step_by_step(monkeypatch,
+                                                                                                   in_place):
+    """Every-token capture to a consumer that takes row summaries (``logging``): a steady batch's steps are
+    reduced into blocks of ``ReducedSteps.STEPS`` steps, each copied off as one, the last partial block when
+    the batch changes or a caller waits for a request mid-block; every request's statistics equal those of its
+    steps filed one by one, and those of its rows. A reduction that cannot write in place is copied in."""
+    monkeypatch.setattr(host_copies.ReducedSteps, "STEPS", 4)
+    if not in_place:
+        monkeypatch.setattr(LoggingConsumer, "row_reduction", RowReduction("statistics", len(STATS), row_statistics))
+    sent, send = [], host_copies._StepsBlock.send
+
+    def counted(block: host_copies._StepsBlock) -> None:
+        if block.copy is None:
+            sent.append(block.count)
+        send(block)
+
+    monkeypatch.setattr(host_copies._StepsBlock, "send", counted)
+
+    def logging_store() -> CaptureStore:
+        bank = make_store().bank
+        context = ConsumerContext("logging", LoggingConsumer.validate_engine_options({}), "m", num_layers=LAYERS,
+                                  hidden_size=HIDDEN)
+        runner = ConsumerRunner(InThread(LoggingConsumer(context)), policy="block", queue_bytes=1 << 20)
+        return CaptureStore(bank, num_layers=LAYERS, model="m", consumers={"logging": runner}, global_spec={},
+                            external_id=str, max_graph_tokens=0)
+
+    spec = validate_capture_spec({"logging": {"hooks": {"post_block": [0, 1]}, "positions": "all"}},
+                                 engine=EngineFacts(LAYERS), consumers={"logging": LoggingConsumer})
+    fast, reference = logging_store(), logging_store()
+    streams: dict[tuple[str, int], torch.Tensor] = {}  # each (request, position)'s rows at the two sites
+
+    def run(store: CaptureStore, batch: list[tuple[str, int, int]], by_loop: bool) -> None:
+        req_ids = [req_id for req_id, _, _ in batch]
+        layout = BatchLayout.of(req_ids, np.cumsum([0] + [n for _, _, n in batch]), np.array([s for _, s, _ in batch]))
+        plan = store.plan_reads(layout)
+        if by_loop:
+            store._drop_steady()
+        reads = store.site_reads(plan, torch.device("cpu"), 0)
+        rows = [(r, s + i) for r, s, n in batch for i in range(n)]
+        for req_id, position in rows:
+            streams.setdefault((req_id, position), torch.randn(2, HIDDEN))
+        for layer in (0, 1):
+            stream = torch.stack([streams[row][layer] for row in rows])
+            reads.out[(layer, 2)] = stream.index_select(0, reads.rows)
+        store.collect(plan, reads)
+
+    results = {}
+    for name, store in (("fast", fast), ("reference", reference)):
+        for req_id in "ab":
+            store.lookup(req_id, {EXTRA_ARGS_KEY: {"capture": spec_to_wire(spec), "capture_key": req_id}}, 3)
+        run(store, [("a", 0, 3), ("b", 0, 3)], name == "reference")
+        for position in range(3, 13):  # ten decode steps of a steady batch: blocks of 4, 4, then 2 ...
+            run(store, [("a", position, 1), ("b", position, 1)], name == "reference")
+        if name == "fast":
+            assert sent == [4, 4]
+        results.update({(name, k): v for k, v in store.results({"a": 14}, wait_s=5.0).items()})  # ... sent now
+        for position in range(13, 20):  # b alone: a new steady batch
+            run(store, [("b", position, 1)], name == "reference")
+        results.update({(name, k): v for k, v in store.results({"b": 21}, wait_s=5.0).items()})
+    assert sent == [4, 4, 2, 4, 3]  # b's last partial block sent when its caller waits
+    assert reference.read_steps["steady"] == 0 < fast.read_steps["steady"]
+    for req_id, length in (("a", 13), ("b", 20)):
+        fast_result, reference_result = results[("fast", req_id)], results[("reference", req_id)]
+        assert fast_result == reference_result
+        stats = LoggingConsumer.result_from_wire(fast_result["logging"]["result"])["stats"]
+        for layer in (0, 1):
+            rows = torch.stack([streams[(req_id, position)][layer] for position in range(length)])
+            torch.testing.assert_close(torch.tensor(stats[f"{layer}.post_block"]["norm"]), rows.norm(dim=-1))
+            torch.testing.assert_close(torch.tensor(stats[f"{layer}.post_block"]["max"]), rows.amax(dim=-1))
+    fast.close()
+    reference.close()
 
 
 def test_requests_ending_together_are_all_handed_on_before_a_runner_starts_on_them(monkeypatch):

@@ -146,6 +146,16 @@ class RowReduction:
     name: str
     width: int
     reduce: Callable[[torch.Tensor], torch.Tensor]
+    # The same summaries written into a given float32 tensor of the output's shape (optional): a steady batch's
+    # steps are reduced into one device block and copied off together (``host_copies.ReducedSteps``).
+    reduce_into: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+
+    def reduce_to(self, rows: torch.Tensor, out: torch.Tensor) -> None:
+        """Write ``reduce(rows)`` into ``out``: in place where the reduction can (``reduce_into``)."""
+        if self.reduce_into is not None:
+            self.reduce_into(rows, out)
+        else:
+            out.copy_(self.reduce(rows))
 
 
 class SiteTensors(Mapping[str, torch.Tensor]):

@@ -31,6 +31,10 @@ The store polls the events at later steps, on the forward thread, and lands each
   for readers that cut their parts at the next step, the others' rows copied out of it when it lands (the store
   decides, ``takes_arena``; ``WholeCopy.copies_of``): the ring waits for its oldest region.
 
+A steady batch's row summaries (every-token capture to ``logging``: a few floats per row) are not copied step by
+step: ``ReducedSteps`` reduces its consecutive steps into one device block and copies that off as a
+``WholeCopy`` every ``ReducedSteps.STEPS`` steps, or sooner when the batch changes or a caller waits.
+
 Blocks over ``PINNED_CACHED_MAX_BYTES`` are copied into ``PinnedArena``, pinned memory kept for them and used
 as a ring, rather than into fresh pinned memory each time; one the ring has no room for is pinned on its own
 and unpinned once copied out of (``pinned_on_its_own``), never through torch's cache.
@@ -45,6 +49,7 @@ interpreter lock than the copy it takes off it.
 """
 
 import logging
+import math
 import threading
 import weakref
 from collections import deque
@@ -54,6 +59,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from vllm_interp.capture.consumer import RowReduction
 
 logger = logging.getLogger(__name__)
 
@@ -114,52 +121,147 @@ class WholeCopy:
         self.keep_pinned = keep_pinned
         self._pinned: torch.Tensor | None = None
         self._event: torch.cuda.Event | None = None
-        self._host: torch.Tensor | None = None
-        self._array: np.ndarray | None = None  # the same memory, for slicing at numpy's cost
+        self._array: np.ndarray | None = None  # the landed block, sliced at numpy's cost
+        self._dtype = block.dtype
         if block.is_cuda:
             self._pinned, self._event, self._release = start_pinned_copy(block)
         else:  # a CPU engine's rows are in host memory already, in a block of their own
-            self._land(block)
+            self._array = as_array(block)
+
+    @property
+    def array(self) -> np.ndarray:
+        """The landed block (after ``wait``), in a dtype numpy has (``as_array``)."""
+        assert self._array is not None
+        return self._array
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
 
     def done(self) -> bool:
-        return self._host is not None or self._event.query()
+        return self._array is not None or self._event.query()
 
     def wait(self) -> None:
-        if self._host is not None:
+        if self._array is not None:
             return
         self._event.synchronize()
         if self.keep_pinned:  # given back once the last view of it is gone
-            array = np.asarray(_PinnedOwner(self._pinned, self._release))
+            self._array = np.asarray(_PinnedOwner(self._pinned, self._release))
         else:
             # Copied by numpy, not cloned by torch: every torch call gives up the interpreter lock and waits to
             # take it back, which on a loaded engine core's forward thread took tens of microseconds for a
             # clone of a few KiB (py-spy on an H200 host, every-token statistics).
-            array = as_array(self._pinned).copy()
+            self._array = as_array(self._pinned).copy()
             self._release()
-        self._host, self._array = _tensor_of(array, self._pinned.dtype), array
         self._pinned = self._event = None
 
-    def _land(self, host: torch.Tensor) -> None:
-        self._host, self._array = host, as_array(host)
-
     def part(self, i: int) -> torch.Tensor:
-        assert self._host is not None
-        start, stop = self.splits[i]
-        return self._host[:, start:stop]
+        return _tensor_of(self.array_part(i), self._dtype)
 
     def copies_of(self, indices: list[int]) -> dict[int, torch.Tensor]:
         """Own copies of the parts ``indices`` (after ``wait``), which keep nothing of this block alive."""
         if not indices:
             return {}
-        assert self._host is not None
-        return dict(zip(indices, split_copies(self._host, [self.splits[i] for i in indices]), strict=True))
+        host = _tensor_of(self.array, self._dtype)
+        return dict(zip(indices, split_copies(host, [self.splits[i] for i in indices]), strict=True))
 
     def array_part(self, i: int) -> np.ndarray:
         """``part(i)`` as an array: a request's rows are gathered from one such view per step it read in, and
         slicing a tensor costs several microseconds to an array's fraction of one."""
-        assert self._array is not None
         start, stop = self.splits[i]
-        return self._array[:, start:stop]
+        return self.array[:, start:stop]
+
+
+class ReducedSteps:
+    """The row summaries of a steady batch's consecutive steps (the same rows of the same requests), reduced
+    straight into one device block of up to ``STEPS`` steps and copied off as one (``send``): when the block is
+    full, when the batch ends (``_SteadyReads.settle``), or when a caller waits for one of its steps. Each step
+    is a ``ReducedStep`` (a ``WholeCopy`` that lands with its block).
+
+    Copied off step by step, every capturing decode step paid the forward thread a summary block, a pinned block,
+    a copy, an event recorded, polled and waited for, and a numpy copy: about eight torch calls, each of which
+    gives up the interpreter lock to the engine's other threads and waits to take it back (a plain decode step
+    of the bulk workload is 3.1 ms of host time on an H100 host, every-token capture to ``logging`` added about
+    0.5; benchmarks/results/bulk-capture-gpu-2026-12-06.md). Now a step pays the reduction's launch; the rest
+    comes once per block."""
+
+    STEPS = 16
+
+    def __init__(self, reduction: RowReduction, shape: tuple[int, ...], device: torch.device) -> None:
+        self.reduction = reduction
+        self.shape = shape  # one step's summaries: [sites, rows, width]
+        self._device = device
+        # Each step's summaries start 16 bytes apart at least, as a fresh tensor's do: a kernel that specializes
+        # on its pointers' alignment (Triton does) then runs the variant built at start-up.
+        self._stride = _round_up(math.prod(shape), 4)
+        self._block: _StepsBlock | None = None
+
+    def add(self, rows: torch.Tensor, splits: list[tuple[int, int]]) -> "ReducedStep":
+        """Reduce one step's ``[sites, rows, hidden]`` rows into the block (launched, not waited for)."""
+        block = self._block
+        if block is None or block.copy is not None:  # none yet, or sent early for a caller that waits
+            block = self._block = _StepsBlock(torch.empty((self.STEPS, self._stride), dtype=torch.float32,
+                                                          device=self._device), self.shape)
+        index = block.count
+        self.reduction.reduce_to(rows, block.slot(index))
+        block.count += 1
+        step = ReducedStep(block, index, splits)
+        if block.count == self.STEPS:
+            self.send()
+        return step
+
+    def send(self) -> None:
+        """Start copying the steps reduced so far off the device; the next step starts a new block."""
+        if self._block is not None:
+            self._block.send()
+            self._block = None
+
+
+class _StepsBlock:
+    """Up to ``ReducedSteps.STEPS`` steps' summaries on the device, then one ``WholeCopy`` of them."""
+
+    def __init__(self, memory: torch.Tensor, shape: tuple[int, ...]) -> None:
+        self.memory = memory  # [STEPS, padded size]
+        self.shape = shape
+        self.count = 0
+        self.copy: WholeCopy | None = None
+        self._size = math.prod(shape)
+        # Every step's view made at once: three torch calls a block rather than two a step.
+        self._slots = memory[:, : self._size].unflatten(1, shape).unbind(0)
+
+    def slot(self, index: int) -> torch.Tensor:
+        return self._slots[index]
+
+    def send(self) -> None:
+        if self.copy is None:
+            self.copy = WholeCopy(self.memory[: self.count], [])
+            self.memory, self._slots = None, ()
+
+    def landed_step(self, index: int) -> np.ndarray:
+        """Step ``index``'s summaries in host memory (the block sent and waited for where it was not)."""
+        self.send()
+        self.copy.wait()
+        return self.copy.array[index, : self._size].reshape(self.shape)
+
+
+class ReducedStep(WholeCopy):
+    """One step's summaries within a ``ReducedSteps`` block: landed when the block has."""
+
+    def __init__(self, block: _StepsBlock, index: int, splits: list[tuple[int, int]]) -> None:
+        self.splits, self.keep_pinned = splits, False
+        self._block, self._index = block, index
+        self._array, self._dtype = None, torch.float32
+
+    def done(self) -> bool:
+        if self._array is not None:
+            return True
+        copy = self._block.copy
+        return copy is not None and copy.done()
+
+    def wait(self) -> None:
+        if self._array is None:
+            self._array = self._block.landed_step(self._index)
+            self._block = None
 
 
 class SteppedCopy:
@@ -172,8 +274,8 @@ class SteppedCopy:
     4.1-5.0 ms this way; the time to every result stayed 9-10 ms."""
 
     def __init__(self, copies: list[WholeCopy]) -> None:
-        self._array = np.stack([copy._array for copy in copies])
-        self._dtype = copies[0]._host.dtype
+        self._array = np.stack([copy.array for copy in copies])
+        self._dtype = copies[0].dtype
 
     def done(self) -> bool:
         return True

@@ -32,6 +32,8 @@ import torch
 from vllm_interp.capture.consumer import CaptureMeta, PendingCapture, RowReduction
 from vllm_interp.capture.dispatch import FORWARD, ConsumerRunner
 from vllm_interp.capture.host_copies import (
+    ReducedStep,
+    ReducedSteps,
     SplitCopy,
     SteppedCopy,
     WholeCopy,
@@ -332,6 +334,19 @@ class _SteadyReads:
     last_collected: int = -1  # the serial of its last step collected
     filed: list["_StepRows"] = field(default_factory=list)
     settled: bool = False
+    # Each reduction's steps reduced into blocks of several steps (``ReducedSteps``), when no consumer takes whole
+    # rows or parts: each request's rows are then filed when the batch settles, whenever they land.
+    reduced_steps: dict[RowReduction, ReducedSteps] = field(default_factory=dict)
+
+    def reduce(self, reduction: RowReduction, block: torch.Tensor) -> ReducedStep:
+        """Reduce a step's ``[sites, rows, hidden]`` block into the batch's blocks of steps."""
+        steps = self.reduced_steps.get(reduction)
+        shape = (*block.shape[:-1], reduction.width)
+        if steps is None or steps.shape != shape:  # never within one batch, which reads the same sites and rows
+            if steps is not None:
+                steps.send()
+            steps = self.reduced_steps[reduction] = ReducedSteps(reduction, shape, block.device)
+        return steps.add(block, self.splits)
 
     def plan(self, layout: BatchLayout) -> ReadPlan | None:
         """The plan of a step laid out as ``layout``, when it is the same batch one token further (else None)."""
@@ -346,6 +361,8 @@ class _SteadyReads:
         """Write what its steps did into each request (once it is no longer used): computed counts, the last
         step each read in, and the landed steps, after the chunks each request had."""
         self.settled = True
+        for steps in self.reduced_steps.values():  # the steps reduced since the last full block
+            steps.send()
         stops = self.stops.tolist() if self.stops is not None else [0] * len(self.entries)
         merged = _StepRows.interleaved(self.filed) if self.filed else None
         for k, (entry, stop) in enumerate(zip(self.entries, stops, strict=True)):
@@ -648,7 +665,10 @@ class CaptureStore:
         self._collected += 1
         # Whole rows leave the device only when some request takes them; summaries are reduced here, on it.
         rows = to_host(block, splits, whole, in_parts) if wants_rows else None
-        reduced = {r: to_host(r.reduce(block), splits, whole, in_parts) for r in reductions}
+        if steady is not None and steady.files_whole and not wants_rows:
+            reduced = {r: steady.reduce(r, block) for r in reductions}
+        else:
+            reduced = {r: to_host(r.reduce(block), splits, whole, in_parts) for r in reductions}
         step = _StepRows(rows, reduced, sites, plan, copied_out=copied_out)
         if steady is not None and steady.files_whole and all(
                 isinstance(copy, WholeCopy) for copy in step.copies().values()):

@@ -45,8 +45,18 @@ def row_statistics(rows: torch.Tensor) -> torch.Tensor:
     return torch_row_statistics(rows)
 
 
-def torch_row_statistics(rows: torch.Tensor) -> torch.Tensor:
-    """``row_statistics`` in torch operations, on any device."""
+def row_statistics_into(rows: torch.Tensor, out: torch.Tensor) -> None:
+    """``row_statistics`` written into ``out`` (float32, ``[..., len(STATS)]``)."""
+    if rows.is_cuda:
+        from vllm_interp.capture.consumers.statistics_kernel import row_statistics_kernel
+
+        row_statistics_kernel(rows, len(STATS), out)
+    else:
+        torch_row_statistics(rows, out)
+
+
+def torch_row_statistics(rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``row_statistics`` in torch operations, on any device (into ``out`` where given)."""
     # Half-precision reductions over thousands of elements would blur the very numbers this summary shows.
     rows = rows.float()
     mean = rows.mean(dim=-1)
@@ -58,7 +68,7 @@ def torch_row_statistics(rows: torch.Tensor) -> torch.Tensor:
         torch.linalg.vector_norm(rows - mean[..., None], dim=-1) / math.sqrt(rows.shape[-1]),
         rows.amin(dim=-1),
         rows.amax(dim=-1),
-    ], dim=-1)
+    ], dim=-1, out=out)
 
 
 def stats_lists(stats: torch.Tensor) -> dict[str, list[float]]:
@@ -66,7 +76,7 @@ def stats_lists(stats: torch.Tensor) -> dict[str, list[float]]:
     return dict(zip(STATS, stats.T.tolist(), strict=True)) if len(stats) else {key: [] for key in STATS}
 
 
-ROW_STATISTICS = RowReduction("statistics", len(STATS), row_statistics)
+ROW_STATISTICS = RowReduction("statistics", len(STATS), row_statistics, row_statistics_into)
 
 
 class LoggingConsumer(CaptureConsumer):

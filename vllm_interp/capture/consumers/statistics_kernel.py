@@ -32,14 +32,16 @@ def _row_statistics_kernel(rows_ptr, out_ptr, width, outer_stride, row_stride, i
     tl.store(out + 4, tl.max(tl.where(inside, x, float("-inf")), axis=0))
 
 
-def row_statistics_kernel(rows: torch.Tensor, stats: int) -> torch.Tensor:
+def row_statistics_kernel(rows: torch.Tensor, stats: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """``[..., stats]`` float32 statistics of each row of ``rows`` (``[..., width]``, any float dtype), in
-    the order norm, mean, std, min, max. A ``[blocks, rows, width]`` view with rows of unit stride is read
-    where it lies: a replayed step's rows are such a view of the graph read buffers (rows of consecutive
-    layers, the buffers' row count apart), and copying them out first was an ``aten::clone`` of 58 us on an
-    H200 host's forward thread each decode step (torch profiler)."""
+    the order norm, mean, std, min, max; written into ``out`` (contiguous, of that shape) where given. A
+    ``[blocks, rows, width]`` view with rows of unit stride is read where it lies: a replayed step's rows are
+    such a view of the graph read buffers (rows of consecutive layers, the buffers' row count apart), and
+    copying them out first was an ``aten::clone`` of 58 us on an H200 host's forward thread each decode step
+    (torch profiler)."""
     width = rows.shape[-1]
-    out = torch.empty((*rows.shape[:-1], stats), dtype=torch.float32, device=rows.device)
+    if out is None:
+        out = torch.empty((*rows.shape[:-1], stats), dtype=torch.float32, device=rows.device)
     if rows.dim() != 3 or rows.stride(-1) != 1:
         rows = rows.reshape(1, -1, width).contiguous()
     blocks, inner, _ = rows.shape
