@@ -90,3 +90,31 @@ def test_held_blocks_stay_intact_while_viewed_and_give_their_memory_back_after()
         del held, views, view, copy
     host_copies.give_back_dropped()  # as the forward thread does when it next copies or lands blocks
     assert not host_copies.ARENA._regions, "every arena region goes back once its views are gone"
+
+
+def test_a_steady_batchs_statistics_land_in_blocks_of_steps_equal_to_each_steps_own():
+    """``ReducedSteps`` on the device: each step's statistics reduced into its slot of a block of steps (the
+    kernel launched again directly while the rows view is the same, as a steady batch's replayed steps read it),
+    landed with the block, equal to the statistics of that step's rows, though the view's rows change after
+    every step as a later replay writes them; a different view goes through Triton again."""
+    from vllm_interp.capture.consumers import statistics_kernel
+    from vllm_interp.capture.consumers.logging import ROW_STATISTICS, STATS, torch_row_statistics
+
+    buffers = torch.zeros(4, 3, 64, 2048, dtype=torch.bfloat16, device="cuda")  # [layers, hooks, rows, hidden]
+    view = buffers[:, 2, :40]  # a replayed step's rows at post_block of every layer
+    steps = host_copies.ReducedSteps(ROW_STATISTICS, (4, 40, len(STATS)), view.device)
+    splits = [(row, row + 1) for row in range(40)]
+    expected, landed = [], []
+    for step in range(37):  # two full blocks and a partial one
+        buffers.normal_()
+        expected.append(torch_row_statistics(view).cpu())
+        landed.append(steps.add(view, splits))
+        assert step == 0 or statistics_kernel._repeatable[0] is view
+    steps.send()
+    for step, (copy, want) in enumerate(zip(landed, expected, strict=True)):
+        copy.wait()
+        torch.testing.assert_close(torch.from_numpy(copy.array), want, rtol=1e-5, atol=1e-5, msg=f"step {step}")
+        assert copy.array_part(3).shape == (4, 1, len(STATS))
+    other = buffers[:2, :, :8].flatten(0, 1)  # another view: launched through Triton, then repeatable in turn
+    torch.testing.assert_close(ROW_STATISTICS.reduce(other), torch_row_statistics(other), rtol=1e-5, atol=1e-5)
+    assert statistics_kernel._repeatable[0] is other

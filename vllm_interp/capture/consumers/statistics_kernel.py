@@ -8,6 +8,8 @@ per row, in the same way (float32; the standard deviation as the norm of the cen
 of the width), with one program per row holding the whole row.
 """
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -32,21 +34,42 @@ def _row_statistics_kernel(rows_ptr, out_ptr, width, outer_stride, row_stride, i
     tl.store(out + 4, tl.max(tl.where(inside, x, float("-inf")), axis=0))
 
 
+# The last launch that may be repeated as it was, but for its output: its rows view and a launcher taking the output.
+_repeatable: tuple[torch.Tensor, Callable[[torch.Tensor], None]] | None = None
+
+
 def row_statistics_kernel(rows: torch.Tensor, stats: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """``[..., stats]`` float32 statistics of each row of ``rows`` (``[..., width]``, any float dtype), in
     the order norm, mean, std, min, max; written into ``out`` (contiguous, of that shape) where given. A
     ``[blocks, rows, width]`` view with rows of unit stride is read where it lies: a replayed step's rows are
     such a view of the graph read buffers (rows of consecutive layers, the buffers' row count apart), and
     copying them out first was an ``aten::clone`` of 58 us on an H200 host's forward thread each decode step
-    (torch profiler)."""
-    width = rows.shape[-1]
+    (torch profiler).
+
+    A steady batch's replayed steps read the same view step after step: the kernel Triton chose for it is then
+    launched again directly (Triton's ``CompiledKernel[grid]``), without binding and specializing the
+    arguments anew, which is most of a launch's host time. Only the output differs, and it is aligned as the
+    first one was (16 bytes: Triton's one specialization of a pointer), or the launch goes through Triton."""
+    global _repeatable
     if out is None:
         out = torch.empty((*rows.shape[:-1], stats), dtype=torch.float32, device=rows.device)
+    aligned = out.data_ptr() % 16 == 0
+    last = _repeatable
+    if last is not None and last[0] is rows and aligned:
+        last[1](out)
+        return out
+    given, width = rows, rows.shape[-1]
     if rows.dim() != 3 or rows.stride(-1) != 1:
         rows = rows.reshape(1, -1, width).contiguous()
     blocks, inner, _ = rows.shape
     if blocks * inner:
         block = triton.next_power_of_2(width)
-        _row_statistics_kernel[(blocks * inner,)](rows, out, width, rows.stride(0), rows.stride(1), inner,
-                                                  STATS=stats, BLOCK=block, num_warps=min(16, max(4, block // 512)))
+        grid = (blocks * inner,)
+        args = (width, rows.stride(0), rows.stride(1), inner)
+        compiled = _row_statistics_kernel[grid](rows, out, *args, STATS=stats, BLOCK=block,
+                                                num_warps=min(16, max(4, block // 512)))
+        # A view read where it lies (not a copy made for this call); Triton's interpreter gives no kernel.
+        if compiled is not None and rows is given and aligned:
+            launch = compiled[grid]
+            _repeatable = (given, lambda into: launch(given, into, *args, stats, block))
     return out
