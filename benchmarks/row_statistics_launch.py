@@ -5,9 +5,10 @@ and a capturing step's whole summary path copied off step by step against blocks
 
 Times ``--calls`` calls on the calling thread with no synchronisation between them (what the forward thread
 pays per capturing step), then the device time of the same calls, for a ``[sites, rows, hidden]`` bf16 block;
-A B A B, three rounds. The step paths (``step by step``, ``blocks of steps``) each reduce the block, start its
-copy to host memory and land the copies that are done, as ``CaptureStore.collect`` and its drain do for a
-steady batch: one ``WholeCopy`` per step, or ``ReducedSteps``. CUDA only.
+A B A B, three rounds. The kernel is launched through Triton's argument binding every time, or again directly
+as a steady batch's steps do. The step paths each reduce the block, start its copy to host memory and land the
+copies that are done, as ``CaptureStore.collect`` and its drain do for a steady batch: one ``WholeCopy`` per
+step (as before session 38), or ``ReducedSteps``. CUDA only.
 """
 
 import argparse
@@ -17,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 
+from vllm_interp.capture.consumers import statistics_kernel
 from vllm_interp.capture.consumers.logging import ROW_STATISTICS, STATS, torch_row_statistics
 from vllm_interp.capture.consumers.statistics_kernel import row_statistics_kernel
 from vllm_interp.capture.host_copies import ReducedSteps, WholeCopy, to_host
@@ -47,6 +49,16 @@ def step_path(copy_of: Callable[[torch.Tensor], WholeCopy]) -> Callable[[torch.T
     return one_step
 
 
+def through_triton(fn: Callable[[torch.Tensor], object]) -> Callable[[torch.Tensor], object]:
+    """``fn`` with the statistics kernel launched through Triton's argument binding every time (as before the
+    kernel was launched again directly for a repeated view)."""
+    def launched(rows: torch.Tensor) -> object:
+        statistics_kernel._repeatable = None
+        return fn(rows)
+
+    return launched
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sites", type=int, default=16)
@@ -61,8 +73,10 @@ def main() -> None:
     steps = ReducedSteps(ROW_STATISTICS, (args.sites, args.rows, len(STATS)), block.device)
     paths = {
         "torch": torch_row_statistics,
-        "kernel": kernel,
-        "step by step": step_path(lambda rows: to_host(ROW_STATISTICS.reduce(rows), splits)),
+        "kernel through Triton": through_triton(kernel),
+        "kernel launched again": kernel,
+        "step by step (through Triton)": step_path(through_triton(lambda rows: to_host(ROW_STATISTICS.reduce(rows),
+                                                                                       splits))),
         "blocks of steps": step_path(lambda rows: steps.add(rows, splits)),
     }
     for fn in paths.values():
