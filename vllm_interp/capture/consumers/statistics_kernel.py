@@ -34,8 +34,9 @@ def _row_statistics_kernel(rows_ptr, out_ptr, width, outer_stride, row_stride, i
     tl.store(out + 4, tl.max(tl.where(inside, x, float("-inf")), axis=0))
 
 
-# The last launch that may be repeated as it was, but for its output: its rows view and a launcher taking the output.
-_repeatable: tuple[torch.Tensor, Callable[[torch.Tensor], None]] | None = None
+# The last launch that may be repeated as it was, but for its output: its rows view, its statistics count and a
+# launcher taking the output.
+_repeatable: tuple[torch.Tensor, int, Callable[[torch.Tensor], None]] | None = None
 
 
 def row_statistics_kernel(rows: torch.Tensor, stats: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -55,8 +56,8 @@ def row_statistics_kernel(rows: torch.Tensor, stats: int, out: torch.Tensor | No
         out = torch.empty((*rows.shape[:-1], stats), dtype=torch.float32, device=rows.device)
     aligned = out.data_ptr() % 16 == 0
     last = _repeatable
-    if last is not None and last[0] is rows and aligned:
-        last[1](out)
+    if last is not None and last[0] is rows and last[1] == stats and aligned:
+        last[2](out)
         return out
     given, width = rows, rows.shape[-1]
     if rows.dim() != 3 or rows.stride(-1) != 1:
@@ -71,5 +72,5 @@ def row_statistics_kernel(rows: torch.Tensor, stats: int, out: torch.Tensor | No
         # A view read where it lies (not a copy made for this call); Triton's interpreter gives no kernel.
         if compiled is not None and rows is given and aligned:
             launch = compiled[grid]
-            _repeatable = (given, lambda into: launch(given, into, *args, stats, block))
+            _repeatable = (given, stats, lambda into: launch(given, into, *args, stats, block))
     return out
