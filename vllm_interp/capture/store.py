@@ -335,7 +335,7 @@ class _SteadyReads:
     filed: list["_StepRows"] = field(default_factory=list)
     settled: bool = False
     # Each reduction's steps reduced into blocks of several steps (``ReducedSteps``), when no consumer takes whole
-    # rows or parts: each request's rows are then filed when the batch settles, whenever they land.
+    # rows or parts: a step's summaries land with their block (sent when full, and when the batch settles).
     reduced_steps: dict[RowReduction, ReducedSteps] = field(default_factory=dict)
 
     def reduce(self, reduction: RowReduction, block: torch.Tensor) -> ReducedStep:
