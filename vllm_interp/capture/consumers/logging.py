@@ -34,25 +34,15 @@ STATS = ("norm", "mean", "std", "min", "max")
 FORMATS = ("lists", "packed")
 
 
-def row_statistics(rows: torch.Tensor) -> torch.Tensor:
-    """``[..., len(STATS)]`` float32: each row's statistics over the hidden dimension, in ``STATS`` order.
-    Runs on the rows' device during the step (the consumer's ``row_reduction``): on a GPU in one kernel launch
-    (``statistics_kernel``), elsewhere in torch."""
+def row_statistics(rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``[..., len(STATS)]`` float32: each row's statistics over the hidden dimension, in ``STATS`` order
+    (written into ``out`` where given). Runs on the rows' device during the step (the consumer's
+    ``row_reduction``): on a GPU in one kernel launch (``statistics_kernel``), elsewhere in torch."""
     if rows.is_cuda:
         from vllm_interp.capture.consumers.statistics_kernel import row_statistics_kernel
 
-        return row_statistics_kernel(rows, len(STATS))
-    return torch_row_statistics(rows)
-
-
-def row_statistics_into(rows: torch.Tensor, out: torch.Tensor) -> None:
-    """``row_statistics`` written into ``out`` (float32, ``[..., len(STATS)]``)."""
-    if rows.is_cuda:
-        from vllm_interp.capture.consumers.statistics_kernel import row_statistics_kernel
-
-        row_statistics_kernel(rows, len(STATS), out)
-    else:
-        torch_row_statistics(rows, out)
+        return row_statistics_kernel(rows, len(STATS), out)
+    return torch_row_statistics(rows, out)
 
 
 def torch_row_statistics(rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -76,7 +66,8 @@ def stats_lists(stats: torch.Tensor) -> dict[str, list[float]]:
     return dict(zip(STATS, stats.T.tolist(), strict=True)) if len(stats) else {key: [] for key in STATS}
 
 
-ROW_STATISTICS = RowReduction("statistics", len(STATS), row_statistics, row_statistics_into)
+# The same function reduces into a block of steps (``reduce_into``): it takes the output as its second argument.
+ROW_STATISTICS = RowReduction("statistics", len(STATS), row_statistics, row_statistics)
 
 
 class LoggingConsumer(CaptureConsumer):
