@@ -5,7 +5,7 @@ requests that capture nothing.
         [--max-tokens 256] [--requests 256] [--rounds 2] [--warmup-rounds 1] [--isolation process|thread]
         [--phases plain,logging_packed,...]
         [--py-spy PATH] [--torch-profile] [--profile-steps 30:40] [--disk-mb 2048] [--disk-only]
-        [--switch-intervals-ms 5,0.5]
+        [--switch-intervals-ms 5,0.5] [--pin-cpus]
         [--server-arg=--enforce-eager ...]
 
 One server with the ``logging`` consumer and the ``filesystem`` consumer (``layout=sharded``), each where it
@@ -44,6 +44,10 @@ that, without a server.
 process (set on the running server between the runs, through the worker's ``interp_switch_interval``; the
 intervals in reverse order in odd rounds), each with its own ``plain``: the report's ratios and medians are per
 interval, so drift falls on each alike.
+
+``--pin-cpus`` runs the server (every process it starts) on half of the host's cores and the clients on the
+other half, each core's hardware threads on one side (``serving.split_cpus``): the clients' parsing and the
+server's forward thread then never share a core.
 
 ``--py-spy PATH`` (a py-spy binary) samples every thread of the server's processes (the API server, the engine
 core, a consumer's own process) during each phase, plain included, idle time included (``--py-spy-gil``
@@ -93,6 +97,7 @@ from benchmarks.serving import (
     launch_server,
     process_label,
     server_rss_mb,
+    split_cpus,
     stop_server,
     wait_healthy,
 )
@@ -243,7 +248,8 @@ def report(args: argparse.Namespace, phases: list[Phase], rates: list[tuple[floa
              f"{args.prompt_tokens} random prompt tokens, {args.max_tokens} generated (ignore_eos), greedy",
              f"- Capture: `{json.dumps(EVERY_TOKEN)}` to `logging:level=debug` and to `filesystem` "
              f"(`layout=sharded,queue_mb={args.sink_queue_mb}`), isolation {args.isolation or 'each its default'}",
-             f"- Server args: `{' '.join(args.server_arg)}`; started {started}; {wall_s:.0f} s",
+             f"- Server args: `{' '.join(args.server_arg)}`; started {started}; {wall_s:.0f} s"
+             + ("; server and clients pinned to separate cores" if args.pin_cpus else ""),
              "- `plain` first in every round, then the bursts in the order listed in even rounds and in reverse in odd "
              "ones (a burst's `plain_after` right after it)"
              + (f"; each round at engine switch intervals {args.switch_intervals_ms} ms, in reverse order in odd "
@@ -375,6 +381,8 @@ def main() -> None:
     parser.add_argument("--phases", default=",".join(PHASES), help="which of the phases to run (plain always)")
     parser.add_argument("--switch-intervals-ms", default="",
                         help="run every round at each of these engine switch intervals (ms, comma-separated)")
+    parser.add_argument("--pin-cpus", action="store_true",
+                        help="the server on half of the cores, the clients on the other half")
     parser.add_argument("--py-spy", default=None, help="py-spy binary: sample the server's processes in every phase")
     parser.add_argument("--py-spy-gil", action="store_true", help="--py-spy: only threads holding the GIL")
     parser.add_argument("--torch-profile", action="store_true", help="device time per step of each phase, by kernel")
@@ -415,6 +423,10 @@ def main() -> None:
          "--capture-consumers", f"logging:level=debug{isolation}",
          "--capture-consumers", f"filesystem:root={root},layout=sharded,queue_mb={args.sink_queue_mb}{isolation}"],
         workdir / "server.log", {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}, VLLM_INTERP_MODULE)
+    client_cpus = None
+    if args.pin_cpus:  # still importing: every process and thread the server starts inherits its CPUs
+        server_cpus, client_cpus = split_cpus()
+        os.sched_setaffinity(server.pid, server_cpus)
     phases: list[Phase] = []
     dropped = 0  # bytes of the shards deleted between phases
     try:
@@ -432,7 +444,7 @@ def main() -> None:
             return {"model": args.model, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0,
                     "ignore_eos": True, "stream": True, **fields}
 
-        run_requests(url, [body(None) for _ in range(2)], 2)  # one-off costs of the first requests
+        run_requests(url, [body(None) for _ in range(2)], 2, client_cpus=client_cpus)  # the first ones pay one-offs
         for round_index, interval in (
                 (r, interval) for r in range(-args.warmup_rounds, args.rounds)
                 for interval in (intervals if r % 2 == 0 else intervals[::-1])):
@@ -449,7 +461,7 @@ def main() -> None:
                     since = time.time()
                     step_profile.post(url, "/start_profile")
                 steps_before = capture_steps(url)
-                stats = run_requests(url, bodies, args.concurrency, server.pid)
+                stats = run_requests(url, bodies, args.concurrency, server.pid, client_cpus)
                 steps = {k: n - steps_before.get(k, 0) for k, n in capture_steps(url).items()}
                 if sampler:
                     sampler.stop()

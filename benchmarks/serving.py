@@ -138,11 +138,28 @@ def host_cpu_jiffies() -> tuple[int, int]:
 
 
 def split_cpus() -> tuple[set[int], set[int]]:
-    """This process's CPUs in two halves: (servers', clients'). Pinned apart, the clients parsing 128 streams
-    cannot take a CPU from a server's forward thread, whose every wait for one lengthens the step."""
-    cpus = sorted(os.sched_getaffinity(0))
-    half = max(1, len(cpus) // 2)
-    return set(cpus[:half]), set(cpus[half:]) or set(cpus)
+    """This process's CPUs in two halves of whole cores: (servers', clients'). Pinned apart, the clients parsing
+    128 streams cannot take a CPU from a server's forward thread, whose every wait for one lengthens the step;
+    and a core's hardware threads stay on one side, as a busy sibling thread slows a core's other thread too
+    (Linux often numbers siblings half the CPUs apart, so halves of the CPUs' numbers would share every core)."""
+    cpus = os.sched_getaffinity(0)
+    cores = sorted({frozenset(_siblings(cpu) & cpus) for cpu in cpus}, key=min)
+    half = max(1, len(cores) // 2)
+    servers, clients = set().union(*cores[:half]), set().union(*cores[half:])
+    return servers, clients or servers
+
+
+def _siblings(cpu: int) -> set[int]:
+    """The CPUs that share ``cpu``'s core (itself included; itself alone where the kernel does not say)."""
+    try:
+        text = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip()
+    except OSError:
+        return {cpu}
+    siblings: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        siblings.update(range(int(first), int(last or first) + 1))
+    return siblings | {cpu}
 
 
 class ServerSampler:
