@@ -30,15 +30,16 @@ a steady batch's), how many asks for capture results the worker answered (every 
 streams) and in how many ms of its forward thread (the worker's ``interp_capture_steps``, through vLLM's
 dev-mode ``/collective_rpc``, which the server is started with),
 how many blocks torch's pinned cache pinned afresh during the phase (and the ms that took) and unpinned, how
-many blocks of memory the consumers' hosts made for requests' rows instead of reusing a spare one,
-the bytes of the sink's shards (each sink phase's deleted once counted, so that long runs fit the disk), the
-server processes' peak resident memory, the server's busiest threads' time on a CPU and waiting for one in each
-phase (Linux's scheduler statistics: a forward thread that is neither is blocked, on a lock, the device or I/O;
-a lone thread busy 90% of a phase or more is named as its limit: with one API server at 64 streams, its event
-loop, already in ``plain``; ``--server-arg=--api-server-count --server-arg=4`` spreads it),
-and, on the capture root's disk, the rate of the sink's own shard writer
-against a plain sequential write of the same bytes (A B A B, each synced to disk); ``--disk-only`` measures only
-that, without a server.
+many blocks of memory the consumers' hosts made for requests' rows instead of reusing a spare one, the
+engine process's garbage collections per generation and their time (``engine/gc_clock.py``: a collection
+pauses whichever thread allocated last, the forward thread mostly), the bytes of the sink's shards (each sink
+phase's deleted once counted, so that long runs fit the disk), the server processes' peak resident memory,
+the server's busiest threads' time on a CPU and waiting for one in each phase (Linux's scheduler statistics:
+a forward thread that is neither is blocked, on a lock, the device or I/O; a lone thread busy 90% of a phase
+or more is named as its limit: with one API server at 64 streams, its event loop, already in ``plain``;
+``--server-arg=--api-server-count --server-arg=4`` spreads it), and, on the capture root's disk, the rate of
+the sink's own shard writer against a plain sequential write of the same bytes (A B A B, each synced to
+disk); ``--disk-only`` measures only that, without a server.
 
 ``--switch-intervals-ms A,B,...`` runs every round once at each of these Python switch intervals in the engine's
 process (set on the running server between the runs, through the worker's ``interp_switch_interval``; the
@@ -261,8 +262,9 @@ def report(args: argparse.Namespace, phases: list[Phase], rates: list[tuple[floa
              "| round | phase | TTFT ms | TPOT ms | last gap ms | results wait / prepare ms | tok/s | "
              "throughput / plain | TPOT / plain | TTFT / plain | captured MB | captured MB/s | "
              "steps / replayed | forward thread ms on a CPU / step | capturing steps graph / eager / steady | "
-             "results asks / ms | pinned afresh / ms / unpinned | rows' blocks made | errors |",
-             "|" + "---|" * 19]
+             "results asks / ms | pinned afresh / ms / unpinned | rows' blocks made | "
+             "engine GC collections gen 0 / 1 / 2 | engine GC ms gen 0 / 1 / 2 | errors |",
+             "|" + "---|" * 21]
     summary: dict[str, list[tuple[float | None, ...]]] = {}
     for phase in phases:  # warm-up rounds (negative) are listed, not summarised
         base = next(p.stats for p in phases if p.round_index == phase.round_index and p.name == "plain"
@@ -278,6 +280,8 @@ def report(args: argparse.Namespace, phases: list[Phase], rates: list[tuple[floa
         steps = step_counts(phase, "graph", "eager", "steady", digits=0)
         pinned = step_counts(phase, "pinned", "pinned_ms", "unpinned")
         made = step_counts(phase, "blocks_made", digits=0)
+        collections = step_counts(phase, "gc0", "gc1", "gc2", digits=0)
+        collector_ms = step_counts(phase, "gc0_ms", "gc1_ms", "gc2_ms")
         steps_run = step_counts(phase, "steps", "replayed", digits=0)
         per_step = forward_ms_per_step(phase)
         asks = step_counts(phase, "results_asks", "results_ms", digits=0)
@@ -286,7 +290,7 @@ def report(args: argparse.Namespace, phases: list[Phase], rates: list[tuple[floa
                      f"{fmt(s.last_gap_ms())} | {results} | {s.throughput():.0f} | "
                      + " | ".join(fmt(r, 3) for r in ratios)
                      + f" | {sink} | {steps_run} | {fmt(per_step, 2)} | {steps} | {asks} | {pinned} | {made} | "
-                       f"{s.errors} |")
+                       f"{collections} | {collector_ms} | {s.errors} |")
     lines += ["", "Median over rounds (against `plain` of the same round):", "",
               "| phase | throughput | TPOT | TTFT |", "|---|---|---|---|"]
     for name, rows in summary.items():

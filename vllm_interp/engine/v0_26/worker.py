@@ -23,6 +23,7 @@ from vllm_interp.capture.plugins import configure_consumers
 from vllm_interp.capture.spec import validate_capture_spec
 from vllm_interp.capture.store import CaptureStore
 from vllm_interp.config import InterpConfig
+from vllm_interp.engine.gc_clock import start_gc_clock
 from vllm_interp.engine.touchpoints import Touchpoint, check_touchpoints
 from vllm_interp.engine.v0_26 import request_ids
 from vllm_interp.engine.v0_26.runner import hooks_for
@@ -60,6 +61,7 @@ class InterpWorkerMixin:
         super().load_model(*args, **kwargs)
         config = InterpConfig.from_additional_config(self.vllm_config.additional_config) or InterpConfig()
         apply_switch_interval(config)
+        self.interp_gc_clock = start_gc_clock()
         runner = self.model_runner
         model_config = self.vllm_config.model_config
         steer_rows = table_rows(config.max_steering_configs) if config.enable_steering else 1
@@ -120,15 +122,16 @@ class InterpWorkerMixin:
         of these were a steady batch's (planned and collected for the batch as a whole), and how many blocks of
         memory the consumers' hosts made for requests' rows rather than reused (``capture.isolation``); how many
         steps ran in all (capturing or not) and how many of them replayed a CUDA graph; how many asks for
-        results the worker answered, in how many ms of its forward thread;
-        on a GPU, also how many blocks torch's pinned cache (where captured rows land) pinned afresh, in how many
-        ms, and unpinned."""
+        results the worker answered, in how many ms of its forward thread; this process's garbage collections
+        per generation and their ms (``gc_clock``); on a GPU, also how many blocks torch's pinned cache (where
+        captured rows land) pinned afresh, in how many ms, and unpinned."""
         model_runner = self.model_runner
         store = model_runner.interp_store
         counts: dict[str, float] = dict(store.read_steps)
         counts.update(steps=model_runner.interp_steps_planned, replayed=model_runner.interp_steps_replayed,
                       results_asks=store.results_asks["asks"], results_ms=store.results_asks["seconds"] * 1000)
         counts["blocks_made"] = sum(runner.host.blocks_made for runner in store.consumers.values())
+        counts.update(self.interp_gc_clock.counts())
         if torch.cuda.is_available():
             stats = torch.cuda.host_memory_stats()
             counts.update(pinned=stats.get("num_host_alloc", 0), unpinned=stats.get("num_host_free", 0),
