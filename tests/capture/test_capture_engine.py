@@ -190,8 +190,8 @@ def test_offline_capture_beyond_the_byte_bound_is_refused(smollm2_llm, prompt_id
 
 def test_the_worker_counts_every_step_and_on_the_cpu_none_replays_a_graph(smollm2_llm):
     """The serving benchmarks' step counts (``interp_capture_steps``): a capturing request's every step is
-    counted, each read eagerly, and a CPU forward never replays a CUDA graph. Its prompt is its own, so no
-    prefix-cache hit shortens its prefill."""
+    counted, each read eagerly, and a CPU forward never replays a CUDA graph; the engine process's garbage
+    collections are counted too. Its prompt is its own, so no prefix-cache hit shortens its prefill."""
     chunk = 16  # the shared engine's max_num_batched_tokens
     prompt = [(7919 * i) % 40000 + 100 for i in range(2 * chunk + 5)]  # three prefill chunks
     before = smollm2_llm.collective_rpc("interp_capture_steps")[0]
@@ -201,3 +201,6 @@ def test_the_worker_counts_every_step_and_on_the_cpu_none_replays_a_graph(smollm
     ran = {key: after[key] - before[key] for key in ("steps", "replayed", "eager", "graph")}
     assert len(out.residuals.positions) == len(prompt) + MAX_TOKENS - 1
     assert ran == {"steps": 3 + MAX_TOKENS - 1, "replayed": 0, "eager": 3 + MAX_TOKENS - 1, "graph": 0}
+    # The engine process's garbage collections, counted and timed from start-up (``engine/gc_clock.py``).
+    assert all(after[f"gc{g}"] >= before[f"gc{g}"] and after[f"gc{g}_ms"] >= 0 for g in range(3))
+    assert after["gc2"] > 0  # vLLM collects fully before it freezes its start-up heap
