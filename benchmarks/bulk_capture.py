@@ -142,6 +142,16 @@ def forward_ms_per_step(phase: Phase) -> float | None:
     return clocks[0] / steps if clocks is not None and steps else None
 
 
+def results_timeline(phase: Phase) -> str:
+    """A report cell of the worker's mean ms per answered request, from its end to its rows handed on, to its
+    consumers done, to the answer that took them (``CaptureStore.results_timeline``); ``-`` where none."""
+    counts = phase.steps or {}
+    answered = counts.get("results_answered")
+    if not answered:
+        return "-"
+    return " / ".join(fmt(counts[f"results_{stage}_ms"] / answered) for stage in ("land", "consume", "claim"))
+
+
 def round_order(names: list[str], round_index: int) -> list[str]:
     """The phases of a round: ``plain`` first (the baseline that the plain phases after a burst are held to),
     then the bursts as listed in even rounds and in reverse in odd ones, each ``plain_after*`` phase kept right
@@ -258,13 +268,16 @@ def report(args: argparse.Namespace, phases: list[Phase], rates: list[tuple[floa
              "(last gap: the median wait for a stream's last text chunk, which a capturing stream holds until the "
              "request's capture results come; TPOT includes it. Results wait / prepare: the server's mean per "
              "capturing request, from vLLM's last output to the results reaching the API server, then their "
-             "unpacking and conversion there; `vllm_interp/server/metrics.py`)", "",
+             "unpacking and conversion there; `vllm_interp/server/metrics.py`. Worker's results timeline: its "
+             "mean per answered request, from the request's end there to its rows landed and handed on, to its "
+             "consumers done, to the poll that took them)", "",
              "| round | phase | TTFT ms | TPOT ms | last gap ms | results wait / prepare ms | tok/s | "
              "throughput / plain | TPOT / plain | TTFT / plain | captured MB | captured MB/s | "
              "steps / replayed | forward thread ms on a CPU / step | capturing steps graph / eager / steady | "
-             "results asks / ms | pinned afresh / ms / unpinned | rows' blocks made | "
+             "results asks / ms | worker's results timeline ms landed / consumed / claimed | "
+             "pinned afresh / ms / unpinned | rows' blocks made | "
              "engine GC collections gen 0 / 1 / 2 | engine GC ms gen 0 / 1 / 2 | errors |",
-             "|" + "---|" * 21]
+             "|" + "---|" * 22]
     summary: dict[str, list[tuple[float | None, ...]]] = {}
     for phase in phases:  # warm-up rounds (negative) are listed, not summarised
         base = next(p.stats for p in phases if p.round_index == phase.round_index and p.name == "plain"
@@ -289,7 +302,8 @@ def report(args: argparse.Namespace, phases: list[Phase], rates: list[tuple[floa
         lines.append(f"| {label} | {phase.label} | {fmt(s.ttft_ms())} | {fmt(s.tpot_ms(), 2)} | "
                      f"{fmt(s.last_gap_ms())} | {results} | {s.throughput():.0f} | "
                      + " | ".join(fmt(r, 3) for r in ratios)
-                     + f" | {sink} | {steps_run} | {fmt(per_step, 2)} | {steps} | {asks} | {pinned} | {made} | "
+                     + f" | {sink} | {steps_run} | {fmt(per_step, 2)} | {steps} | {asks} | {results_timeline(phase)} | "
+                       f"{pinned} | {made} | "
                        f"{collections} | {collector_ms} | {s.errors} |")
     lines += ["", "Median over rounds (against `plain` of the same round):", "",
               "| phase | throughput | TPOT | TTFT |", "|---|---|---|---|"]

@@ -191,7 +191,8 @@ def test_offline_capture_beyond_the_byte_bound_is_refused(smollm2_llm, prompt_id
 def test_the_worker_counts_every_step_and_on_the_cpu_none_replays_a_graph(smollm2_llm):
     """The serving benchmarks' step counts (``interp_capture_steps``): a capturing request's every step is
     counted, each read eagerly, and a CPU forward never replays a CUDA graph; the engine process's garbage
-    collections are counted too. Its prompt is its own, so no prefix-cache hit shortens its prefill."""
+    collections are counted too, and where its results' wait went. Its prompt is its own, so no prefix-cache
+    hit shortens its prefill."""
     chunk = 16  # the shared engine's max_num_batched_tokens
     prompt = [(7919 * i) % 40000 + 100 for i in range(2 * chunk + 5)]  # three prefill chunks
     before = smollm2_llm.collective_rpc("interp_capture_steps")[0]
@@ -204,3 +205,7 @@ def test_the_worker_counts_every_step_and_on_the_cpu_none_replays_a_graph(smollm
     # The engine process's garbage collections, counted and timed from start-up (``engine/gc_clock.py``).
     assert all(after[f"gc{g}"] >= before[f"gc{g}"] and after[f"gc{g}_ms"] >= 0 for g in range(3))
     assert after["gc2"] > 0  # vLLM collects fully before it freezes its start-up heap
+    # Its results' timeline: one request answered, its end -> rows handed on -> consumer done -> answer.
+    assert after["results_answered"] - before["results_answered"] == 1
+    stages = [after[f"results_{stage}_ms"] - before[f"results_{stage}_ms"] for stage in ("land", "consume", "claim")]
+    assert all(ms >= 0 for ms in stages) and 0 < sum(stages) < 60_000

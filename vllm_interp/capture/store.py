@@ -82,6 +82,7 @@ class _Entry:
     unhanded_rows: int = 0  # rows filed in ``chunks`` (a part is cut when they reach ``part_due``)
     handed: set[int] = field(default_factory=set)  # positions handed on in parts
     parts: dict[str, list[Future]] = field(default_factory=dict)  # each consumer's results of those parts
+    ended_at: float = 0.0  # ``time.perf_counter()`` when it ended (``CaptureStore.results_timeline``)
 
     @cached_property
     def last_position(self) -> int | None:
@@ -442,6 +443,10 @@ class CaptureStore:
         # The callers' asks for results (``results``; each API server polls on its own) and the seconds this
         # thread spent answering them: the forward thread's, between steps.
         self.results_asks = {"asks": 0, "seconds": 0.0}
+        # Where the wait for a claimed request's results goes, summed over the requests answered: from its end
+        # to its rows landed and handed to the consumers, to the consumers done, to the answer that took them.
+        self.results_timeline = {"answered": 0, "land_s": 0.0, "consume_s": 0.0, "claim_s": 0.0}
+        self._result_times: dict[str, tuple[float, float, list[float]]] = {}  # key -> ended, handed, [done]
         self._warm_reductions()
 
     def _warm_reductions(self) -> None:
@@ -814,6 +819,7 @@ class CaptureStore:
         self._reading.discard(entry.req_id)
         self._drop_steady()
         entry.final_length = length
+        entry.ended_at = time.perf_counter()
         self._ending[entry.req_id] = entry
 
     def results(self, lengths: dict[str, int | None], wait_s: float) -> dict[str, dict[str, dict[str, Any]]]:
@@ -857,7 +863,19 @@ class CaptureStore:
                 del self._results[key]
                 self._by_key.pop(key, None)
                 done[key] = {name: f.result().as_dict() for name, f in futures.items()}
+                self._time_answer(key)
         return done
+
+    def _time_answer(self, key: str) -> None:
+        times = self._result_times.pop(key, None)
+        if times is None:  # a key finalized before it was claimed, or one with nothing to hand on
+            return
+        ended, handed, (consumed,) = times
+        timeline = self.results_timeline
+        timeline["answered"] += 1
+        timeline["land_s"] += handed - ended
+        timeline["consume_s"] += consumed - handed
+        timeline["claim_s"] += time.perf_counter() - consumed
 
     def _finalize(self, entry: _Entry, length: int | None) -> None:
         # The last sampled token is never fed back: with the final length known, rows past it (an async
@@ -875,10 +893,23 @@ class CaptureStore:
                 else final
         if entry.key is not None:
             self._results[entry.key] = futures
+            self._time_consumers(entry, futures)
             self._forget_unclaimed()
         else:
             for name, future in futures.items():
                 future.add_done_callback(lambda f, n=name, r=entry.req_id: _log_failure(n, r, f.result()))
+
+    def _time_consumers(self, entry: _Entry, futures: dict[str, Future]) -> None:
+        """Note when ``entry``'s results were handed on and when its last consumer is done with them."""
+        handed = time.perf_counter()
+        consumed = [handed]
+
+        def done(_: Future) -> None:  # in the consumer's thread
+            consumed[0] = max(consumed[0], time.perf_counter())
+
+        self._result_times[entry.key] = (entry.ended_at, handed, consumed)
+        for future in futures.values():
+            future.add_done_callback(done)
 
     def _forget_unclaimed(self) -> None:
         """Results whose caller went away (an HTTP client that disconnected) are never asked for: keep only
@@ -887,6 +918,7 @@ class CaptureStore:
             key = next(iter(self._results))
             futures = self._results.pop(key)
             self._by_key.pop(key, None)
+            self._result_times.pop(key, None)
             for name, future in futures.items():
                 future.add_done_callback(lambda f, n=name, k=key: _log_failure(n, k, f.result()))
             logger.warning("capture results for key %s were never claimed; dropped them", key)

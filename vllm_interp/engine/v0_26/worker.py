@@ -122,7 +122,9 @@ class InterpWorkerMixin:
         of these were a steady batch's (planned and collected for the batch as a whole), and how many blocks of
         memory the consumers' hosts made for requests' rows rather than reused (``capture.isolation``); how many
         steps ran in all (capturing or not) and how many of them replayed a CUDA graph; how many asks for
-        results the worker answered, in how many ms of its forward thread; this process's garbage collections
+        results the worker answered, in how many ms of its forward thread, and for how many requests' results,
+        in how many ms from the requests' ends to their rows handed on, to their consumers done, to the answers
+        (``CaptureStore.results_timeline``, summed); this process's garbage collections
         per generation and their ms (``gc_clock``); on a GPU, also how many blocks torch's pinned cache (where
         captured rows land) pinned afresh, in how many ms, and unpinned."""
         model_runner = self.model_runner
@@ -130,6 +132,9 @@ class InterpWorkerMixin:
         counts: dict[str, float] = dict(store.read_steps)
         counts.update(steps=model_runner.interp_steps_planned, replayed=model_runner.interp_steps_replayed,
                       results_asks=store.results_asks["asks"], results_ms=store.results_asks["seconds"] * 1000)
+        timeline = store.results_timeline
+        counts["results_answered"] = timeline["answered"]
+        counts.update({f"results_{stage}_ms": timeline[f"{stage}_s"] * 1000 for stage in ("land", "consume", "claim")})
         counts["blocks_made"] = sum(runner.host.blocks_made for runner in store.consumers.values())
         counts.update(self.interp_gc_clock.counts())
         if torch.cuda.is_available():
