@@ -282,6 +282,22 @@ def test_requests_wait_while_the_worker_launches_a_forward(make_runner):
     assert future.result(WAIT_S).status == "ok"
 
 
+def test_a_wave_of_finished_requests_is_handed_on_at_one_opening_of_the_gate(make_runner):
+    """Requests that ended together, queued while the worker launched a step, are all handed on once the runner
+    is let in, even if the next step's launch closes the gate meanwhile: not one request per opening."""
+    gate = ForwardGate()
+    runner, consumer = make_runner("block", gate=gate)
+    captures = [make_capture(f"req-{i}", seed=i) for i in range(4)]
+    consumer.gate.clear()  # the consumer holds the first request until the next launch has begun
+    with gate.launching():
+        futures = [runner.submit(PendingCapture.of(c), base_result(c)) for c in captures]
+    assert consumer.started.wait(WAIT_S)
+    with gate.launching():
+        consumer.gate.set()
+        assert [f.result(WAIT_S).status for f in futures] == ["ok"] * 4
+    assert [c.meta.request_id for c in consumer.seen] == [c.meta.request_id for c in captures]
+
+
 def test_block_policy_opens_the_forward_gate_while_it_waits(make_runner):
     """The worker waiting for room inside a step (the gate closed) lets the runner make that room: the
     request is queued, not dropped as if the consumer had stalled."""
