@@ -867,10 +867,8 @@ class CaptureStore:
         return done
 
     def _time_answer(self, key: str) -> None:
-        times = self._result_times.pop(key, None)
-        if times is None:  # a key finalized before it was claimed, or one with nothing to hand on
-            return
-        ended, handed, (consumed,) = times
+        # Set beside ``_results[key]`` (``_time_consumers``) and dropped with it (``_forget_unclaimed``).
+        ended, handed, (consumed,) = self._result_times.pop(key)
         timeline = self.results_timeline
         timeline["answered"] += 1
         timeline["land_s"] += handed - ended
