@@ -1,5 +1,6 @@
 """The command line: `vllm-interp serve` runs where only the server's dependencies are installed (a GPU host
-with `pip install ".[gpu]"`), without the client extra (httpx, httpx-sse, matplotlib)."""
+with `pip install ".[gpu]"`), without the client extra (httpx, httpx-sse, matplotlib); the other commands and
+the top-level help answer without importing vLLM."""
 
 import os
 import subprocess
@@ -46,3 +47,14 @@ def test_serve_gives_capture_consumers_a_shutdown_grace_period_unless_told(monke
     args = build_parser().parse_args(["serve", "some-model"])
     serve.choose_shutdown_timeout(args, capturing=True)
     assert os.environ[serve.WORKER_SHUTDOWN_ENV] == "3"  # the user's setting stands
+
+
+def test_commands_other_than_serve_answer_without_importing_vllm():
+    # Importing vLLM takes 10-20 s here: the top-level help, trace's and the models listing need none of it.
+    code = ("import sys\nfrom vllm_interp.cli import main\n"
+            "for argv in (['--help'], ['trace', '--help'], ['models', 'supported']):\n"
+            "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+            "print('imported vllm:', 'vllm' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "serve" in out and "LlamaForCausalLM" in out
+    assert out.rstrip().endswith("imported vllm: False")

@@ -4,6 +4,9 @@ import argparse
 import sys
 from typing import TextIO
 
+SERVE_HELP = ("vLLM's OpenAI-compatible server with vllm-interp in the forward pass: every `vllm serve` option "
+              "and ours (vllm-interp serve --help).")
+
 
 def _models(args: argparse.Namespace) -> None:
     from vllm_interp.models.registry import supported_architectures
@@ -33,17 +36,29 @@ def _export_saelens(args: argparse.Namespace) -> None:
           f"{done.captures} captures to {done.path}; {done.dropped} trailing rows did not fill a sequence")
 
 
-def build_parser() -> argparse.ArgumentParser:
+ENGINE_COMMANDS = ("serve", "demo")  # the commands that start vLLM here: its version and environment are set first
+
+
+def build_parser(serve_options: bool = True) -> argparse.ArgumentParser:
+    """Every command's parser. ``serve``'s options are vLLM's own parser and ours, which imports vLLM (10-20 s on
+    two cores): without ``serve_options`` (any other command, or none: ``--help``) ``serve`` is listed but not
+    built, so that ``trace``, ``models``, ``export-saelens`` and the top-level help answer at once."""
     from vllm_interp.capture.saelens_export import DTYPES
     from vllm_interp.client.trace import add_trace_parser
-    from vllm_interp.engine.versions import adapter
-    from vllm_interp.server.serve import add_serve_parser
 
-    parser = adapter("serve").argument_parser(
-        prog="vllm-interp", description="Residual-stream steering, capture and patching inside vLLM."
-    )
+    about = {"prog": "vllm-interp", "description": "Residual-stream steering, capture and patching inside vLLM."}
+    if serve_options:
+        from vllm_interp.engine.versions import adapter
+        from vllm_interp.server.serve import add_serve_parser
+
+        parser = adapter("serve").argument_parser(**about)
+    else:
+        parser = argparse.ArgumentParser(**about)
     sub = parser.add_subparsers(dest="subparser", required=True)
-    add_serve_parser(sub)
+    if serve_options:
+        add_serve_parser(sub)
+    else:
+        sub.add_parser("serve", help=SERVE_HELP)
     add_trace_parser(sub)
 
     demo = sub.add_parser("demo", help="Run the main job on the default model: a completion plus a read-out.")
@@ -88,14 +103,16 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _run(argv: list[str], out: TextIO) -> None:
-    from vllm_interp.engine.versions import UnsupportedVllmVersion, adapter, check_vllm_version
+    command = argv[0] if argv else None
+    if command in ENGINE_COMMANDS:
+        from vllm_interp.engine.versions import UnsupportedVllmVersion, adapter, check_vllm_version
 
-    try:
-        check_vllm_version()
-    except UnsupportedVllmVersion as exc:
-        sys.exit(f"error: {exc}")
-    adapter("serve").cli_env_setup()
-    args = build_parser().parse_args(argv)
+        try:
+            check_vllm_version()
+        except UnsupportedVllmVersion as exc:
+            sys.exit(f"error: {exc}")
+        adapter("serve").cli_env_setup()
+    args = build_parser(serve_options=command == "serve").parse_args(argv)
     args.terminal = out
     args.dispatch_function(args)
 
