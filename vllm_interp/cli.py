@@ -36,7 +36,7 @@ def _export_saelens(args: argparse.Namespace) -> None:
           f"{done.captures} captures to {done.path}; {done.dropped} trailing rows did not fill a sequence")
 
 
-ENGINE_COMMANDS = ("serve", "demo")  # the commands that start vLLM here: its version and environment are set first
+ENGINE_COMMANDS = ("serve", "demo")  # commands that start vLLM here: its version is checked, its CLI environment set
 
 
 def build_parser(serve_options: bool = True) -> argparse.ArgumentParser:
