@@ -23,7 +23,8 @@ still followed by its ``plain_after``): ``round_order``.
 cache filling, the consumer's shared blocks mapped, a sink burst on an H200 host at 0.30 of
 plain in its first round and 0.46-0.66 in the next three), so they are listed but left out of the medians.
 Reported: throughput and TPOT of each phase against ``plain`` of the same round, TTFT of the plain phases after a
-burst against that ``plain`` (run before the bursts), the bytes of rows each capturing phase captured and their
+burst against that ``plain`` (run before the bursts), each capturing phase's throughput against the mean of the
+plain phases right before and after it too (``bracketed_section``: the host's drift within a round cancelled), the bytes of rows each capturing phase captured and their
 rate, how many steps the engine ran and how many of them replayed a CUDA graph, the engine core's forward thread's
 time on a CPU per step, how its capturing steps read (inside replayed CUDA graphs or eagerly, and how many as
 a steady batch's), how many asks for capture results the worker answered (every API server polls for its own
@@ -309,6 +310,7 @@ def report(args: argparse.Namespace, phases: list[Phase], rates: list[tuple[floa
               "| phase | throughput | TPOT | TTFT |", "|---|---|---|---|"]
     for name, rows in summary.items():
         lines.append(f"| {name} | " + " | ".join(medians_with_ranges(rows)) + " |")
+    lines += bracketed_section(phases)
     captured = sum(p.captured_bytes for p in phases if p.name.startswith("sink"))
     lines += ["", f"The sink's shards: {on_disk / 1e6:.0f} MB published by shutdown (its phases captured "
               f"{captured / 1e6:.0f} MB of rows; a shard still buffered is published when the server stops; "
@@ -319,6 +321,30 @@ def report(args: argparse.Namespace, phases: list[Phase], rates: list[tuple[floa
     lines += ["", "Peak resident memory of the server's processes (MiB):", "", "| process | peak RSS |", "|---|---|"]
     lines += [f"| `{name}` | {mb:.0f} |" for name, mb in sorted(rss.items(), key=lambda kv: -kv[1])[:8]]
     return "\n".join(lines) + "\n"
+
+
+def bracketed_section(phases: list[Phase]) -> list[str]:
+    """Each capturing phase's throughput against the mean of the plain phases run right before and right after
+    it (``phases`` in the order they ran, warm-up rounds included as neighbours). The host's own speed drifts
+    within a call (an H100 host's ``plain`` forward thread took 2.64-3.32 ms a step in three rounds of one call,
+    session 42), so a ratio to the round's first phase alone moves with wherever the drift happens to be; the
+    mean of both neighbours cancels a steady drift. The phase after a burst may still carry its backlog (which
+    ``plain_after`` exists to measure), so this flatters a burst that slows its successor: beside the primary
+    ratio, never instead of it."""
+    rows: dict[str, list[float]] = {}
+    for before, phase, after in zip(phases, phases[1:], phases[2:], strict=False):
+        if (phase.round_index >= 0 and phase.captured_bytes and not before.captured_bytes
+                and not after.captured_bytes and phase.interval_ms == before.interval_ms == after.interval_ms):
+            plain = (before.stats.throughput() + after.stats.throughput()) / 2
+            rows.setdefault(phase.label, []).append(phase.stats.throughput() / plain)
+    if not rows:
+        return []
+    lines = ["", "Throughput against the mean of the plain phases right before and after (drift cancelled, a "
+                 "burst's backlog in the phase after it not: see `bracketed_section`):", "",
+             "| phase | by round | median |", "|---|---|---|"]
+    lines += [f"| {name} | {', '.join(f'{r:.3f}' for r in values)} | {statistics.median(values):.3f} |"
+              for name, values in rows.items()]
+    return lines
 
 
 def sink_against_disk(phases: list[Phase], rates: list[tuple[float, float]]) -> list[str]:
