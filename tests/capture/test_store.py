@@ -155,6 +155,34 @@ def test_rows_by_position_across_chunks_and_a_recompute():
     store.close()
 
 
+@pytest.mark.parametrize("laid", [[[3, 4], [5], [6, 7, 8]], [[3, 4], [4, 5]], [[3, 4], [6]], [[5], [3, 4]],
+                                  [[3, 5], [4, 6]]],
+                         ids=["consecutive", "recomputed", "a_gap", "out_of_order", "spanning_out_of_order"])
+def test_columns_of_consecutive_chunks_are_found_as_the_general_layout_finds_them(laid):
+    """The arithmetic layout of consecutive positions answers as the sorted one, and only they get it."""
+    from types import SimpleNamespace
+
+    from vllm_interp.row_plan import ReadPlan
+
+    def chunk(positions):
+        plan = ReadPlan(rows=np.zeros(len(positions), np.int64), positions=np.array(positions, np.int64),
+                        req_ids=["r"], slot_starts=np.array([0, len(positions)]))
+        return SimpleNamespace(plan=plan), 0, None
+
+    chunks = [chunk(positions) for positions in laid]
+    columns = store_module._Columns.of(chunks)
+    flat = np.concatenate([np.array(p) for p in laid])
+    assert (columns.column is None) == (laid == [[3, 4], [5], [6, 7, 8]])
+    positions, from_end = np.unique(flat[::-1], return_index=True)
+    general = store_module._Columns(positions, len(flat) - 1 - from_end, len(flat))
+    wanted = np.arange(0, 12)
+    np.testing.assert_array_equal(columns.held(wanted), general.held(wanted))
+    held = wanted[general.held(wanted)]
+    np.testing.assert_array_equal(columns.columns_of(held), general.columns_of(held))
+    for picked in (general.columns_of(held), general.columns_of(held)[1:]):
+        assert columns.every_column(picked) == general.every_column(picked)
+
+
 def test_a_request_whose_consumer_takes_parts_is_handed_on_while_it_runs():
     """Each time a running request's filed rows reach the part size, every landed step but the newest goes to
     the consumer; the newest waits for the next part (it may run past the request's end). A position handed on

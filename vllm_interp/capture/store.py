@@ -123,10 +123,15 @@ class _Columns:
     """Where a request's positions are in its chunks' rows laid end to end: ``positions`` ascending, each one's
     ``column`` (the latest copy of a position computed twice, after preemption), ``count`` columns in all.
     Numpy throughout: an every-token request has a column per position, and 64 of them finishing together
-    took the forward thread about 16 ms with a dictionary per request (dev CPU, 512 positions)."""
+    took the forward thread about 16 ms with a dictionary per request (dev CPU, 512 positions).
+
+    Chunks that lay out consecutive positions once each (a request never preempted: every request finishing
+    on the forward thread, mostly) keep ``column`` None: a position's column is its offset from the first, found
+    by arithmetic rather than by sorting and searching (a 272-position request in 17 chunks, dev CPU: laying out
+    and looking up its columns 45 -> 23 us of its 130 or so)."""
 
     positions: np.ndarray
-    column: np.ndarray
+    column: np.ndarray | None  # None: ``positions`` are consecutive, each at column ``position - positions[0]``
     count: int
 
     @classmethod
@@ -134,6 +139,8 @@ class _Columns:
         if not chunks:
             return cls(np.empty(0, np.int64), np.empty(0, np.int64), 0)
         laid = np.concatenate([step.plan.positions_of(k) for step, k, _ in chunks])
+        if len(laid) and laid[-1] - laid[0] == len(laid) - 1 and bool((laid[1:] > laid[:-1]).all()):
+            return cls(laid, None, len(laid))  # ascending with no gap: consecutive, each once
         # np.unique's index is each value's first occurrence: in the reversed array, its latest copy.
         positions, from_end = np.unique(laid[::-1], return_index=True)
         return cls(positions, len(laid) - 1 - from_end, len(laid))
@@ -142,12 +149,24 @@ class _Columns:
         """Which of ``wanted`` (ascending) the chunks hold (a mask)."""
         if not self.count:
             return np.zeros(len(wanted), dtype=bool)
+        if self.column is None:
+            first = int(self.positions[0])
+            return (wanted >= first) & (wanted < first + self.count)
         at = np.minimum(np.searchsorted(self.positions, wanted), len(self.positions) - 1)
         return self.positions[at] == wanted
 
     def columns_of(self, wanted: np.ndarray) -> np.ndarray:
         """The columns of ``wanted`` positions, every one of which the chunks hold."""
+        if self.column is None:
+            return wanted - self.positions[0]
         return self.column[np.searchsorted(self.positions, wanted)]
+
+    def every_column(self, picked: np.ndarray) -> bool:
+        """Whether ``picked`` (the columns of ascending positions) is every column, in order."""
+        if len(picked) != self.count:
+            return False
+        # Consecutive positions' columns rise with them: as many as there are columns is all of them, in order.
+        return self.column is None or bool((picked == np.arange(self.count)).all())
 
 
 def _among(positions: np.ndarray, handed: set[int]) -> np.ndarray:
@@ -950,7 +969,7 @@ class CaptureStore:
         """Submit ``positions`` (ascending) of the request's rows in ``chunks`` (at their ``columns``) to a
         consumer."""
         picked = columns.columns_of(positions)
-        every_column = len(picked) == columns.count and bool((picked == np.arange(columns.count)).all())
+        every_column = columns.every_column(picked)
         reduction = self.consumers[name].row_reduction
         width, dtype = (reduction.width, torch.float32) if reduction else self.bank.residual[:2]
         meta = CaptureMeta(
