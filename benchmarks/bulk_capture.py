@@ -22,25 +22,24 @@ still followed by its ``plain_after``): ``round_order``.
 ``--warmup-rounds`` rounds run first: the first bursts pay one-off costs (the pinned arena and torch's pinned
 cache filling, the consumer's shared blocks mapped, a sink burst on an H200 host at 0.30 of
 plain in its first round and 0.46-0.66 in the next three), so they are listed but left out of the medians.
-Reported: throughput and TPOT of each phase against ``plain`` of the same round, TTFT of the plain phases after a
-burst against that ``plain`` (run before the bursts), each capturing phase's throughput against the mean of the
-plain phases right before and after it too (``bracketed_section``: the host's drift within a round cancelled), the bytes of rows each capturing phase captured and their
-rate, how many steps the engine ran and how many of them replayed a CUDA graph, the engine core's forward thread's
-time on a CPU per step, how its capturing steps read (inside replayed CUDA graphs or eagerly, and how many as
-a steady batch's), how many asks for capture results the worker answered (every API server polls for its own
-streams) and in how many ms of its forward thread (the worker's ``interp_capture_steps``, through vLLM's
-dev-mode ``/collective_rpc``, which the server is started with),
-how many blocks torch's pinned cache pinned afresh during the phase (and the ms that took) and unpinned, how
-many blocks of memory the consumers' hosts made for requests' rows instead of reusing a spare one, the
-engine process's garbage collections per generation and their time (``engine/gc_clock.py``: a collection
-pauses whichever thread allocated last, the forward thread mostly), the bytes of the sink's shards (each sink
-phase's deleted once counted, so that long runs fit the disk), the server processes' peak resident memory,
-the server's busiest threads' time on a CPU and waiting for one in each phase (Linux's scheduler statistics:
-a forward thread that is neither is blocked, on a lock, the device or I/O; a lone thread busy 90% of a phase
+Reported: throughput and TPOT of each phase against ``plain`` of the same round, TTFT of the plain phases after a burst
+against that ``plain`` (run before the bursts), each capturing phase's throughput against the mean of the plain phases
+right before and after it too (``bracketed_section``: the host's drift within a round cancelled), the bytes of rows each
+capturing phase captured and their rate, how many steps the engine ran and how many of them replayed a CUDA graph, the
+engine core's forward thread's time on a CPU per step, how its capturing steps read (inside replayed CUDA graphs or
+eagerly, and how many as a steady batch's), how many asks for capture results the worker answered (every API server
+polls for its own streams) and in how many ms of its forward thread (the worker's ``interp_capture_steps``, through
+vLLM's dev-mode ``/collective_rpc``, which the server is started with), how many blocks torch's pinned cache pinned
+afresh during the phase (and the ms that took) and unpinned, how many blocks of memory the consumers' hosts made for
+requests' rows instead of reusing a spare one, the engine process's garbage collections per generation and their time
+(``engine/gc_clock.py``: a collection pauses whichever thread allocated last, the forward thread mostly), the bytes of
+the sink's shards (each sink phase's deleted once counted, so that long runs fit the disk), the server processes' peak
+resident memory, the server's busiest threads' time on a CPU and waiting for one in each phase (Linux's scheduler
+statistics: a forward thread that is neither is blocked, on a lock, the device or I/O; a lone thread busy 90% of a phase
 or more is named as its limit: with one API server at 64 streams, its event loop, already in ``plain``;
-``--server-arg=--api-server-count --server-arg=4`` spreads it), and, on the capture root's disk, the rate of
-the sink's own shard writer against a plain sequential write of the same bytes (A B A B, each synced to
-disk); ``--disk-only`` measures only that, without a server.
+``--server-arg=--api-server-count --server-arg=4`` spreads it), and, on the capture root's disk, the rate of the sink's
+own shard writer against a plain sequential write of the same bytes (A B A B, each synced to disk); ``--disk-only``
+measures only that, without a server.
 
 ``--switch-intervals-ms A,B,...`` runs every round once at each of these Python switch intervals in the engine's
 process (set on the running server between the runs, through the worker's ``interp_switch_interval``; the
