@@ -14,7 +14,10 @@ in one place, for comparison).
 Every round runs, with the same number of fresh prompts each:
 ``plain`` (no capture: the baseline), ``logging`` (every position, ``post_block`` of every layer, to the
 logging consumer), ``logging_packed`` (the same, its statistics returned as one base64 float32 block instead
-of JSON lists), ``plain_after`` (sent the moment the burst's last stream ends, while its consumer may still
+of JSON lists), ``logging_packed_layer0`` (the same at layer 0's ``post_block`` alone: the per-step and
+per-request work is the same as at every layer, the rows and the device's work a sixteenth of a 16-layer
+model's, so the two phases together split the cost between what grows with the sites and what does not),
+``plain_after`` (sent the moment the burst's last stream ends, while its consumer may still
 work through the backlog), ``sink`` (the same capture to the sharded filesystem layout, which takes each request
 in parts while it runs), ``plain_after_sink``, ``sink_whole`` (the sink with ``part_mb: 0``: each request
 whole, when it ends). ``plain`` runs first in every round; odd rounds run the bursts in reverse order (each
@@ -105,11 +108,21 @@ from benchmarks.serving import (
 from vllm_interp.capture.consumer import CaptureMeta, ConsumerContext, RequestCapture
 from vllm_interp.capture.consumers.filesystem import FilesystemConsumer
 
-PHASES = ("plain", "logging", "logging_packed", "plain_after", "sink", "plain_after_sink", "sink_whole")
+PHASES = ("plain", "logging", "logging_packed", "logging_packed_layer0", "plain_after", "sink", "plain_after_sink",
+          "sink_whole")
 EVERY_TOKEN = {"hooks": {"post_block": "all"}, "positions": "all"}
 # Each capturing phase's ``capture`` field.
 CAPTURES = {"logging": {"logging": EVERY_TOKEN}, "logging_packed": {"logging": {**EVERY_TOKEN, "format": "packed"}},
+            "logging_packed_layer0": {"logging": {"hooks": {"post_block": [0]}, "positions": "all",
+                                                  "format": "packed"}},
             "sink": {"filesystem": EVERY_TOKEN}, "sink_whole": {"filesystem": {**EVERY_TOKEN, "part_mb": 0}}}
+
+
+def captured_layers(capture: dict, layers: int) -> int:
+    """How many layers' ``post_block`` a phase's ``capture`` field reads (of the model's ``layers``)."""
+    (spec,) = capture.values()
+    wanted = spec["hooks"]["post_block"]
+    return layers if wanted == "all" else len(wanted)
 
 
 @dataclass
@@ -258,7 +271,8 @@ def report(args: argparse.Namespace, phases: list[Phase], rates: list[tuple[floa
              f"- Per phase: {args.requests} streaming requests at concurrency {args.concurrency}, "
              f"{args.prompt_tokens} random prompt tokens, {args.max_tokens} generated (ignore_eos), greedy",
              f"- Capture: `{json.dumps(EVERY_TOKEN)}` to `logging:level=debug` and to `filesystem` "
-             f"(`layout=sharded,queue_mb={args.sink_queue_mb}`), isolation {args.isolation or 'each its default'}",
+             f"(`layout=sharded,queue_mb={args.sink_queue_mb}`), isolation {args.isolation or 'each its default'}"
+             + ("; `logging_packed_layer0` at layer 0 alone" if "logging_packed_layer0" in args.phases else ""),
              f"- Server args: `{' '.join(args.server_arg)}`; started {started}; {wall_s:.0f} s"
              + ("; server and clients pinned to separate cores" if args.pin_cpus else ""),
              "- `plain` first in every round, then the bursts in the order listed in even rounds and in reverse in odd "
@@ -513,7 +527,8 @@ def main() -> None:
                     profile_sections.append(step_profile.summarise(step_profile.traces_since(profiles, since),
                                                                    f"round {round_index} {tag}", window))
                 # Every position but the last generated one goes through the model, at every layer.
-                rows = len(stats.ok) * (args.prompt_tokens + args.max_tokens - 1) * layers if capture else 0
+                rows = (len(stats.ok) * (args.prompt_tokens + args.max_tokens - 1) * captured_layers(capture, layers)
+                        if capture else 0)
                 phases.append(Phase(round_index, name, stats, rows * hidden * itemsize, steps, interval))
                 if name.startswith("sink"):
                     dropped += drop_shards(root)

@@ -125,10 +125,10 @@ class _Columns:
     Numpy throughout: an every-token request has a column per position, and 64 of them finishing together
     took the forward thread about 16 ms with a dictionary per request (dev CPU, 512 positions).
 
-    Chunks that lay out consecutive positions once each (a request never preempted: every request finishing
-    on the forward thread, mostly) keep ``column`` None: a position's column is its offset from the first, found
-    by arithmetic rather than by sorting and searching (a 272-position request in 17 chunks, dev CPU: laying out
-    and looking up its columns 45 -> 23 us of its 130 or so)."""
+    Chunks that lay out consecutive positions once each (those of a request never preempted, as most are) keep
+    ``column`` None: a position's column is its offset from the first, found by arithmetic rather than by
+    sorting and searching (a 272-position request in 17 chunks, dev CPU: laying out and looking up its columns
+    45 -> 23 us of the 130 or so its finishing takes)."""
 
     positions: np.ndarray
     column: np.ndarray | None  # None: ``positions`` are consecutive, each at column ``position - positions[0]``
