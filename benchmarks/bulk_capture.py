@@ -107,6 +107,7 @@ from benchmarks.serving import (
 )
 from vllm_interp.capture.consumer import CaptureMeta, ConsumerContext, RequestCapture
 from vllm_interp.capture.consumers.filesystem import FilesystemConsumer
+from vllm_interp.capture.spec import ConsumerSpec
 
 PHASES = ("plain", "logging", "logging_packed", "logging_packed_layer0", "plain_after", "sink", "plain_after_sink",
           "sink_whole")
@@ -118,11 +119,10 @@ CAPTURES = {"logging": {"logging": EVERY_TOKEN}, "logging_packed": {"logging": {
             "sink": {"filesystem": EVERY_TOKEN}, "sink_whole": {"filesystem": {**EVERY_TOKEN, "part_mb": 0}}}
 
 
-def captured_layers(capture: dict, layers: int) -> int:
-    """How many layers' ``post_block`` a phase's ``capture`` field reads (of the model's ``layers``)."""
+def captured_sites(capture: dict, layers: int) -> int:
+    """How many sites a phase's ``capture`` field reads on a model of ``layers`` layers."""
     (spec,) = capture.values()
-    wanted = spec["hooks"]["post_block"]
-    return layers if wanted == "all" else len(wanted)
+    return len(ConsumerSpec.model_validate(spec).sites(layers))
 
 
 @dataclass
@@ -272,7 +272,8 @@ def report(args: argparse.Namespace, phases: list[Phase], rates: list[tuple[floa
              f"{args.prompt_tokens} random prompt tokens, {args.max_tokens} generated (ignore_eos), greedy",
              f"- Capture: `{json.dumps(EVERY_TOKEN)}` to `logging:level=debug` and to `filesystem` "
              f"(`layout=sharded,queue_mb={args.sink_queue_mb}`), isolation {args.isolation or 'each its default'}"
-             + ("; `logging_packed_layer0` at layer 0 alone" if "logging_packed_layer0" in args.phases else ""),
+             + ("; `logging_packed_layer0` at layer 0 alone"
+                if any(p.name == "logging_packed_layer0" for p in phases) else ""),
              f"- Server args: `{' '.join(args.server_arg)}`; started {started}; {wall_s:.0f} s"
              + ("; server and clients pinned to separate cores" if args.pin_cpus else ""),
              "- `plain` first in every round, then the bursts in the order listed in even rounds and in reverse in odd "
@@ -526,8 +527,8 @@ def main() -> None:
                     step_profile.post(url, "/stop_profile")
                     profile_sections.append(step_profile.summarise(step_profile.traces_since(profiles, since),
                                                                    f"round {round_index} {tag}", window))
-                # Every position but the last generated one goes through the model, at every layer.
-                rows = (len(stats.ok) * (args.prompt_tokens + args.max_tokens - 1) * captured_layers(capture, layers)
+                # Every position but the last generated one goes through the model, at every site captured.
+                rows = (len(stats.ok) * (args.prompt_tokens + args.max_tokens - 1) * captured_sites(capture, layers)
                         if capture else 0)
                 phases.append(Phase(round_index, name, stats, rows * hidden * itemsize, steps, interval))
                 if name.startswith("sink"):
