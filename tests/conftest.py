@@ -8,6 +8,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +41,31 @@ def shutdown(llm) -> None:
     llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
+
+
+@contextmanager
+def engine_in_this_process() -> Iterator[None]:
+    """Offline engines started within it run their core and worker in this process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): no two processes that import vLLM, no shutdown grace (a random-weight
+    architecture's parity test, engine and reference, 5-7 s this way against 31-37 s with vLLM's processes on the
+    dev CPU). For tests about what the model computes; the shared engines keep vLLM's default processes, whose
+    boundaries the features' specs cross. Shut such an engine down within the block: leaving it undoes what an
+    in-process engine core sets for its whole process (vLLM's environment cache, which would keep later engines
+    in this process too, and its frozen heap, which would keep the engine's objects alive)."""
+    import vllm.envs
+
+    saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"]
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved
+        vllm.envs.disable_envs_cache()
+        gc.unfreeze()
+        gc.collect()
 
 
 @pytest.fixture(scope="session")
