@@ -47,7 +47,7 @@ def shutdown(llm) -> None:
 def engine_in_this_process() -> Iterator[None]:
     """Offline engines started within it run their core and worker in this process
     (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): no two processes that import vLLM, no shutdown grace (a random-weight
-    architecture's parity test, engine and reference, 5-7 s this way against 31-37 s with vLLM's processes on the
+    architecture's parity test, engine and reference, 5-11 s this way against 31-37 s with vLLM's processes on the
     dev CPU). For tests about what the model computes; the shared engines keep vLLM's default processes, whose
     boundaries the features' specs cross. Shut such an engine down within the block: leaving it undoes what an
     in-process engine core sets for its whole process (vLLM's environment cache, which would keep later engines
