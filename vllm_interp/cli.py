@@ -104,6 +104,10 @@ def main(argv: list[str] | None = None) -> None:
 
 def _run(argv: list[str], out: TextIO) -> None:
     command = argv[0] if argv else None
+    if command == "serve":
+        from vllm_interp.server.serve_flags import check_before_vllm
+
+        check_before_vllm(argv[1:])
     if command in ENGINE_COMMANDS:
         from vllm_interp.engine.versions import UnsupportedVllmVersion, adapter, check_vllm_version
 
