@@ -4,7 +4,8 @@
 every compiled graph contains the sites. The runner's class is swapped for one with the mixin for the runner
 vLLM picked (V1 or V2, ``runner.py``); the capture store (with its consumers), the steering and patch tables
 are attached to it. Before anything is hooked, the worker's and the runner's touchpoints are checked against
-the installed vLLM.
+the installed vLLM. An engine configured with what capture cannot serve (speculative decoding) is refused
+when its worker is made, before it sets up devices.
 """
 
 import json
@@ -36,6 +37,10 @@ from vllm_interp.steering.tables import SteeringTables, table_rows
 from vllm_interp.steering.vectors import SteeringVectors
 
 TOUCHPOINTS = (
+    Touchpoint("vllm.v1.worker.gpu_worker:Worker.__init__", "override",
+               "an engine feature capture cannot serve is refused before the worker starts", params=("vllm_config",)),
+    Touchpoint("vllm.config:VllmConfig", "read", "capture is refused where draft tokens are verified",
+               params=("speculative_config",)),
     Touchpoint("vllm.v1.worker.gpu_worker:Worker.load_model", "override",
                "the sites go in after the weights load, before the profile run traces the model"),
     Touchpoint("vllm.v1.worker.gpu_worker:Worker.shutdown", "override", "consumers drain before the process exits"),
@@ -53,7 +58,26 @@ def apply_switch_interval(config: InterpConfig) -> None:
         sys.setswitchinterval(config.engine_switch_interval_ms / 1000)
 
 
+def refuse_speculative_capture(config: InterpConfig, speculative_config: Any) -> None:
+    """Speculative decoding verifies draft tokens in one step: the step computes a row for each draft, rejected
+    ones included, and a request's last step computes rows past its end. Capture (and patching, whose sources
+    are captures) would return those rows as the request's, so it is refused; steering only adds to rows,
+    which the verify step steers as any other, by position."""
+    if speculative_config is not None and config.consumers:
+        raise ValueError(
+            "vllm-interp capture and patching do not run with speculative decoding: its verify steps compute rows "
+            "for draft tokens that may be rejected. Start the engine without a speculative config, or without "
+            f"capture consumers and patching (enabled here: {', '.join(config.consumer_names)}); steering runs "
+            "with speculative decoding.")
+
+
 class InterpWorkerMixin:
+    def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
+        # Before the worker sets up devices and distributed state: a refused engine leaves nothing behind.
+        config = InterpConfig.from_additional_config(vllm_config.additional_config) or InterpConfig()
+        refuse_speculative_capture(config, vllm_config.speculative_config)
+        super().__init__(vllm_config, *args, **kwargs)
+
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         check_vllm_version()
         runner_hooks = hooks_for(self.model_runner)  # built by init_device, before the model loads
