@@ -439,3 +439,4 @@ def test_several_engines_are_refused_before_the_engine_starts():
     assert out.returncode != 0
     assert "vllm-interp features need one engine behind the API servers, but these flags start 2" in (out.stdout
                                                                                                       + out.stderr)
+    assert "Traceback" not in out.stderr  # a flag the engine cannot run with is a usage error, not a crash

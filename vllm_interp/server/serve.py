@@ -9,11 +9,13 @@ import argparse
 import atexit
 import os
 import shutil
+import sys
 import tempfile
 
 from vllm_interp.default_model import resolve_model
 from vllm_interp.engine.args import check_model_architecture, interp_engine_args
 from vllm_interp.engine.versions import adapter
+from vllm_interp.models.registry import UnsupportedArchitecture
 from vllm_interp.server.plugin import PLUGIN_NAME
 from vllm_interp.server.serve_flags import USAGE, add_interp_flags, interp_settings
 from vllm_interp.server.shared_steering import ENV as SHARED_STEERING_ENV
@@ -39,6 +41,19 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def serve(command, args: argparse.Namespace) -> None:
+    try:
+        _prepare(command, args)
+    except (ValueError, UnsupportedArchitecture) as exc:  # what the flags ask for cannot start: no traceback
+        sys.exit(f"vllm-interp serve: error: {exc}")
+    # vLLM pickles the namespace into each API-server process it spawns (--api-server-count N): what only our
+    # dispatch uses (a closure, the terminal stream) would not pickle, and those processes do not dispatch.
+    for ours in ("dispatch_function", "terminal"):
+        vars(args).pop(ours, None)
+    command.cmd(args)
+
+
+def _prepare(command, args: argparse.Namespace) -> None:
+    """Check the flags on the namespace vLLM parsed and fold ours into vLLM's engine arguments."""
     config, _ = interp_settings(args)
     if config.hooks_needed:
         _refuse_several_engines(args)
@@ -53,11 +68,6 @@ def serve(command, args: argparse.Namespace) -> None:
     adapter("serve").choose_shutdown_timeout(args, capturing=bool(config.capture_consumers))
     adapter("serve").allow_plugins("vllm_interp", PLUGIN_NAME)
     command.validate(args)
-    # vLLM pickles the namespace into each API-server process it spawns (--api-server-count N): what only our
-    # dispatch uses (a closure, the terminal stream) would not pickle, and those processes do not dispatch.
-    for ours in ("dispatch_function", "terminal"):
-        vars(args).pop(ours, None)
-    command.cmd(args)
 
 
 def _refuse_several_engines(args: argparse.Namespace) -> None:
