@@ -8,7 +8,8 @@ anything; a mismatch stops start-up with ``VllmInternalsMismatch`` naming the in
   checked when installed, and a live scheduler's state on its first pass.
 - ``runner_v1``, ``runner_v2``: the V1 and V2 ``GPUModelRunner`` step methods (override) and batch state
   (read), for whichever runner vLLM picked (``runner``); checked when a worker loads the model.
-- ``worker``, ``cpu_worker``: ``Worker.load_model``/``shutdown`` (override), parallel ranks; same.
+- ``worker``, ``cpu_worker``: ``Worker.__init__``/``load_model``/``shutdown`` (override), parallel ranks, the
+  speculative config (read); checked when a worker is made.
 - ``request_ids``: the engine's request-id format (the caller's id plus a random suffix); same.
 - ``openai_params``: the OpenAI request classes' ``to_sampling_params`` (patch), so the HTTP middleware's
   payload reaches ``extra_args`` as is; checked when the endpoint plugin attaches its routes.

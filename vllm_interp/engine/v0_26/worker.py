@@ -3,9 +3,12 @@
 ``load_model`` runs before the profile run (the first Dynamo trace) and before CUDA-graph capture, so
 every compiled graph contains the sites. The runner's class is swapped for one with the mixin for the runner
 vLLM picked (V1 or V2, ``runner.py``); the capture store (with its consumers), the steering and patch tables
-are attached to it. Before anything is hooked, the worker's and the runner's touchpoints are checked against
-the installed vLLM. An engine configured with what capture cannot serve (speculative decoding) is refused
-when its worker is made, before it sets up devices.
+are attached to it. The worker's touchpoints are checked against the installed vLLM when it is made, the
+runner's before the model loads. An engine configured with what capture cannot serve (speculative decoding) is
+refused when its worker is made, before it sets up devices.
+
+Overridden ``Worker`` methods (vLLM 0.26; ``TOUCHPOINTS``): ``__init__`` (the checks above), ``load_model``
+(the sites, after the weights), ``shutdown`` (consumers drain first).
 """
 
 import json
@@ -74,14 +77,15 @@ def refuse_speculative_capture(config: InterpConfig, speculative_config: Any) ->
 class InterpWorkerMixin:
     def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
         # Before the worker sets up devices and distributed state: a refused engine leaves nothing behind.
+        check_vllm_version()
+        check_touchpoints((*TOUCHPOINTS, *request_ids.TOUCHPOINTS))
         config = InterpConfig.from_additional_config(vllm_config.additional_config) or InterpConfig()
         refuse_speculative_capture(config, vllm_config.speculative_config)
         super().__init__(vllm_config, *args, **kwargs)
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
-        check_vllm_version()
         runner_hooks = hooks_for(self.model_runner)  # built by init_device, before the model loads
-        check_touchpoints((*TOUCHPOINTS, *runner_hooks.touchpoints, *request_ids.TOUCHPOINTS))
+        check_touchpoints(runner_hooks.touchpoints)
         super().load_model(*args, **kwargs)
         config = InterpConfig.from_additional_config(self.vllm_config.additional_config) or InterpConfig()
         apply_switch_interval(config)
