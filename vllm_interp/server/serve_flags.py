@@ -120,7 +120,7 @@ def check_before_vllm(argv: Sequence[str]) -> None:
     """Check our flags on ``serve``'s command line (its arguments after ``serve``) before vLLM's parser is built;
     exits with argparse's usage error for a bad one. Read as vLLM's parser reads them: ``--a_b`` is ``--a-b``,
     and a unique prefix of a flag is the flag (no vLLM serve option is a prefix of ours, which
-    ``tests/server/test_serve.py`` checks). Skipped for help, which vLLM's parser answers, and where a
+    ``tests/server/test_serve_flags.py`` checks). Skipped for help, which vLLM's parser answers, and where a
     ``--config`` file may set our flags too (vLLM's parser reads it; the later check sees them)."""
     if any(arg in ("-h", "--config") or arg.startswith(("--help", "--config=")) for arg in argv):
         return
