@@ -26,7 +26,8 @@ def test_a_stopped_server_publishes_the_last_buffered_shard(smollm2_path, tmp_pa
         assert list_captures(root) == []
     finally:
         stop_server(process)  # SIGTERM, as a process manager stops a server
-    shutdown_log = "\n".join(log.read_text().splitlines()[-40:])  # what the server did when stopped
+    # What the server did when stopped (vLLM's list of routes left out: it fills the tail).
+    shutdown_log = "\n".join([line for line in log.read_text().splitlines() if "Route:" not in line][-40:])
     assert process.returncode == 0, shutdown_log
     assert list_captures(root) == ["t0", "t1"], shutdown_log
     for tag in ("t0", "t1"):
