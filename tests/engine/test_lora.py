@@ -9,14 +9,14 @@ from safetensors.torch import save_file
 from vllm import SamplingParams
 from vllm.lora.request import LoRARequest
 
-from tests.conftest import ENGINE_KWARGS, PROMPTS, engine_in_this_process, shutdown, vector
+from tests.conftest import ENGINE_KWARGS, HIDDEN, PROMPTS, engine_in_this_process, shutdown, vector
 from tests.parity import compare
 from tests.reference import HookedReference, steered_run
 from tests.zoo import _input_of
 from vllm_interp import LLM, steered_params
 
 RANK, ALPHA, LAYERS = 8, 16, 30
-TARGETS = {"q_proj": 576, "v_proj": 192}  # SmolLM2's query and value projections' output widths
+TARGETS = {"q_proj": HIDDEN, "v_proj": 192}  # SmolLM2's query and value projections' output widths
 STEERING = {("base", 10, "post_block"): vector(5, norm=8.0)}
 
 
@@ -27,7 +27,7 @@ def _random_adapter(path) -> dict[tuple[int, str], torch.Tensor]:
     for layer in range(LAYERS):
         for proj, width in TARGETS.items():
             name = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
-            a = tensors[f"{name}.lora_A.weight"] = torch.randn(RANK, 576, generator=generator) * 0.05
+            a = tensors[f"{name}.lora_A.weight"] = torch.randn(RANK, HIDDEN, generator=generator) * 0.05
             b = tensors[f"{name}.lora_B.weight"] = torch.randn(width, RANK, generator=generator) * 0.05
             deltas[layer, proj] = b @ a * (ALPHA / RANK)
     save_file(tensors, str(path / "adapter_model.safetensors"))

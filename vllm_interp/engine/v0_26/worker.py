@@ -82,12 +82,13 @@ class InterpWorkerMixin:
         config = InterpConfig.from_additional_config(vllm_config.additional_config) or InterpConfig()
         refuse_speculative_capture(config, vllm_config.speculative_config)
         super().__init__(vllm_config, *args, **kwargs)
+        self.interp_config = config
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         runner_hooks = hooks_for(self.model_runner)  # built by init_device, before the model loads
         check_touchpoints(runner_hooks.touchpoints)
         super().load_model(*args, **kwargs)
-        config = InterpConfig.from_additional_config(self.vllm_config.additional_config) or InterpConfig()
+        config = self.interp_config
         apply_switch_interval(config)
         self.interp_gc_clock = start_gc_clock()
         runner = self.model_runner
