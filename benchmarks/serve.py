@@ -501,8 +501,11 @@ def comparison_table(runs: list[tuple[int, str, RunStats, RunStats]], other: str
 
 
 def report(bench: Bench, started: str, card: str, wall_s: float, kv_tokens: tuple[str, ...],
-           profile_sections: list[str]) -> str:
+           profile_sections: list[str], rounds_done: int | None = None) -> str:
+    """The report; ``rounds_done``: written while the run goes on, after that many of its rounds."""
     args = bench.args
+    rounds = (f"{args.rounds} rounds" if rounds_done is None
+              else f"{rounds_done} of {args.rounds} rounds so far (written after each round; the run went on)")
     lines = [f"# Serving: plain vLLM vs vllm-interp ({date.today().isoformat()})", "",
              f"- Card: {card}", f"- Model: `{args.model}` ({bench.layers} layers, hidden {bench.hidden})",
              f"- Requests: {args.requests} at concurrency {args.concurrency} ({args.requests_c1} one at a time for "
@@ -510,7 +513,7 @@ def report(bench: Bench, started: str, card: str, wall_s: float, kv_tokens: tupl
              f"- Model runner (both servers): {args.runner}; server args: `{' '.join(args.server_arg)}`",
              f"- KV cache: plain {kv_tokens[0]} tokens, vllm-interp {kv_tokens[1]} tokens"
              + (f", vllm-lens {kv_tokens[2]} tokens" if len(kv_tokens) > 2 else ""),
-             f"- Started {started}; {args.rounds} rounds after {args.warmup_rounds} warm-up (not reported), A (plain) "
+             f"- Started {started}; {rounds} after {args.warmup_rounds} warm-up (not reported), A (plain) "
              f"and B (vllm-interp) per workload, A first in even rounds and B first in odd ones; {wall_s:.0f} s",
              "", *comparison_table([(r, name, a, b) for r, name, a, b, _ in bench.pairs], "B",
                                    "Median over rounds (feature / baseline):")]
@@ -688,6 +691,9 @@ def main() -> None:
         for round_index in range(args.rounds):
             for name in names:
                 bench.run_pair(round_index, name)
+            # A device call cut off by its time limit still returns the rounds it finished.
+            Path(args.out).write_text(report(bench, started, gpu_card(), time.monotonic() - began, kv_tokens, [],
+                                             rounds_done=round_index + 1))
         profile_sections = [section for name in profiled for section in bench.profile_pair(name, profiles)]
     finally:
         for _, process in servers.values():
