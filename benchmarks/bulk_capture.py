@@ -265,7 +265,10 @@ def disk_rates(root: Path, total_mb: int, hidden: int, layers: int, rounds: int)
 
 
 def report(args: argparse.Namespace, phases: list[Phase], rates: list[tuple[float, float]],
-           rss: dict[str, float], layers: int, hidden: int, started: str, wall_s: float, on_disk: int) -> str:
+           rss: dict[str, float], layers: int, hidden: int, started: str, wall_s: float, on_disk: int,
+           rounds_done: int | None = None) -> str:
+    """The report; ``rounds_done``: written while the run goes on, after that many rounds (warm-up included),
+    before the server stops and the disk is measured."""
     lines = [f"# Bulk capture: every token, every layer ({time.strftime('%Y-%m-%d')})", "",
              f"- Card: {gpu_card()}", f"- Model: `{args.model}` ({layers} layers, hidden {hidden})",
              f"- Per phase: {args.requests} streaming requests at concurrency {args.concurrency}, "
@@ -275,6 +278,8 @@ def report(args: argparse.Namespace, phases: list[Phase], rates: list[tuple[floa
              + ("; `logging_packed_layer0` at layer 0 alone"
                 if any(p.name == "logging_packed_layer0" for p in phases) else ""),
              f"- Server args: `{' '.join(args.server_arg)}`; started {started}; {wall_s:.0f} s"
+             + (f"; written after {rounds_done} rounds (warm-up included) while the run went on: no disk rates, "
+                "no shards counted" if rounds_done is not None else "")
              + ("; server and clients pinned to separate cores" if args.pin_cpus else ""),
              "- `plain` first in every round, then the bursts in the order listed in even rounds and in reverse in odd "
              "ones (a burst's `plain_after` right after it)"
@@ -538,6 +543,10 @@ def main() -> None:
                       f"{stats.throughput():.0f} tok/s errors {stats.errors} capturing steps {steps}", flush=True)
                 for error in sorted({s.error for s in stats.samples if s.error is not None}):
                     print(f"  error: {error}", flush=True)
+            # A device call cut off by its time limit still returns the rounds it finished.
+            rounds_done = len({phase.round_index for phase in phases})
+            Path(args.out).write_text(report(args, phases, [], watch.peak, layers, hidden, started,
+                                             time.monotonic() - began, 0, rounds_done=rounds_done))
         watch.stop.set()
     finally:
         stop_server(server)
