@@ -677,6 +677,7 @@ def main() -> None:
             wait_healthy(url, process, workdir / f"{name}.log", args.start_timeout)
         print(f"servers ready after {time.monotonic() - began:.0f} s", flush=True)
         kv_tokens = tuple(kv_cache_tokens(workdir / f"{name}.log") for name in servers)
+        card = gpu_card()  # for every report, the one written after each round and the last
         bench = Bench(args, plain_url, interp_url, config["num_hidden_layers"], config["hidden_size"],
                       config["vocab_size"], lens_url=servers["lens"][0] if "lens" in servers else None,
                       pids={url: process.pid for url, process in servers.values()},
@@ -692,13 +693,13 @@ def main() -> None:
             for name in names:
                 bench.run_pair(round_index, name)
             # A device call cut off by its time limit still returns the rounds it finished.
-            Path(args.out).write_text(report(bench, started, gpu_card(), time.monotonic() - began, kv_tokens, [],
+            Path(args.out).write_text(report(bench, started, card, time.monotonic() - began, kv_tokens, [],
                                              rounds_done=round_index + 1))
         profile_sections = [section for name in profiled for section in bench.profile_pair(name, profiles)]
     finally:
         for _, process in servers.values():
             stop_server(process)
-    text = report(bench, started, gpu_card(), time.monotonic() - began, kv_tokens, profile_sections)
+    text = report(bench, started, card, time.monotonic() - began, kv_tokens, profile_sections)
     Path(args.out).write_text(text)
     print(text)
 
