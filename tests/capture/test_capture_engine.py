@@ -188,6 +188,22 @@ def test_offline_capture_beyond_the_byte_bound_is_refused(smollm2_llm, prompt_id
         smollm2_llm.frontend.limits = kept
 
 
+def test_the_worker_learns_a_finished_requests_final_length_from_the_scheduler(smollm2_llm):
+    """A request that finishes while another runs is reported finished on the next step's SchedulerOutput,
+    before anyone asks for its results: its final length reaches the worker beside its id (``FinalLengths``),
+    through the CPU engine's executor. The CPU's scheduler is synchronous, so no step runs past a stop and no
+    position is dropped."""
+    before = smollm2_llm.collective_rpc("interp_capture_steps")[0]
+    early, late = smollm2_llm.generate(["The capital of France is", "The capital of Spain is"],
+                                       [_greedy(1), _greedy(MAX_TOKENS)], use_tqdm=False,
+                                       readout={"hooks": {"post_block": [29]}, "positions": "all"})
+    after = smollm2_llm.collective_rpc("interp_capture_steps")[0]
+    for out in (early, late):
+        assert len(out.residuals.positions) == len(out.prompt_token_ids) + len(out.outputs[0].token_ids) - 1
+    assert after["finished_with_length"] - before["finished_with_length"] >= 1  # the early one at least
+    assert after["positions_past_end"] == before["positions_past_end"]
+
+
 def test_the_worker_counts_every_step_and_on_the_cpu_none_replays_a_graph(smollm2_llm):
     """The serving benchmarks' step counts (``interp_capture_steps``): a capturing request's every step is
     counted, each read eagerly, and a CPU forward never replays a CUDA graph; the engine process's garbage

@@ -681,3 +681,25 @@ def test_an_early_ask_ends_nothing_and_takes_results_that_are_whole():
     step(store, "all", 3, 1, torch.randn(1, HIDDEN))  # still capturing
     assert store.results({"k-all": 5}, wait_s=5)["k-all"]["inline"]["rows"] == 4
     store.close()
+
+
+def test_a_request_the_scheduler_finishes_keeps_no_rows_past_its_final_length():
+    """An async scheduler runs a request's next step before it knows the request stopped: that step's rows are
+    past the end. With the final length the scheduler reports beside the finish (``FinalLengths``), the store
+    drops them even when the finish comes before anyone asks for the results; without one it keeps every row."""
+    store = make_store()
+    for req_id in ("known", "unknown"):
+        store.lookup(req_id, extra_args(f"k-{req_id}", "all"), prompt_len=3)
+    streams = {req_id: torch.randn(6, HIDDEN) for req_id in ("known", "unknown")}
+    for req_id, stream in streams.items():
+        step(store, req_id, 0, 3, stream[:3])
+        for position in (3, 4, 5):  # two generated tokens fed back, then the step that ran past the stop
+            step(store, req_id, position, 1, stream[position : position + 1])
+    # Three tokens generated (the third a stop): final length 6, so positions 0-4 were fed to the model.
+    store.finish({"known", "unknown"}, {"known": 6})
+    results = store.results({"k-known": None, "k-unknown": None}, wait_s=5)
+    rows = {req_id: ResidualReadout.from_result(results[f"k-{req_id}"]["inline"]["result"]) for req_id in streams}
+    assert rows["known"].positions == [0, 1, 2, 3, 4] and rows["unknown"].positions == [0, 1, 2, 3, 4, 5]
+    torch.testing.assert_close(rows["known"]["1.post_block"], streams["known"][:5], rtol=0, atol=0)
+    assert store.ends == {"finished_with_length": 1, "positions_past_end": 1}
+    store.close()

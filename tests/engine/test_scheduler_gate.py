@@ -1,13 +1,14 @@
-"""The steering admission gate's own logic, around a stand-in for the scheduler's pass and on vLLM's own
-request queues: waiting requests whose config is new wait while every slot is held, in order, and a pass with
-nothing steered waiting reads nothing of the running requests. (tests/steering/test_steering.py runs the gate in
-a real engine: nine configs through four slots.)"""
+"""The scheduler mixins' own logic, around stand-ins for the scheduler's pass and on vLLM's own request queues:
+waiting requests whose config is new wait while every slot is held, in order, and a pass with nothing steered
+waiting reads nothing of the running requests (tests/steering/test_steering.py runs the gate in a real engine:
+nine configs through four slots); a finished request's final length rides beside its id
+(tests/capture/test_capture_engine.py sees it reach a real engine's worker)."""
 
 from types import SimpleNamespace
 
 from vllm.v1.core.sched.request_queue import FCFSRequestQueue
 
-from vllm_interp.engine.v0_26.scheduler_gate import SteeringAdmission
+from vllm_interp.engine.v0_26.scheduler_gate import FinalLengths, SteeringAdmission, final_lengths
 from vllm_interp.request_args import EXTRA_ARGS_KEY
 
 
@@ -58,3 +59,31 @@ def test_a_pass_with_nothing_steered_waiting_reads_no_running_request():
     gated.schedule()
     assert [request.reads for request in running] == [0, 0, 0, 0]
     assert gated.scheduled == [["plain"], ["plain"]]
+
+
+class _Freeing:
+    """The scheduler's side of a finish: a freed request's id joins the next pass's output."""
+
+    def __init__(self) -> None:
+        self.finished_req_ids: set[str] = set()
+
+    def _free_request(self, request: SimpleNamespace) -> None:
+        self.finished_req_ids.add(request.request_id)
+
+    def schedule(self) -> SimpleNamespace:
+        output, self.finished_req_ids = SimpleNamespace(finished_req_ids=self.finished_req_ids), set()
+        return output
+
+
+class _WithLengths(FinalLengths, _Freeing):
+    pass
+
+
+def test_a_finished_requests_final_length_rides_beside_its_id_once():
+    scheduler = _WithLengths()
+    assert final_lengths(scheduler.schedule()) == {}  # nothing freed yet
+    scheduler._free_request(SimpleNamespace(request_id="a", num_tokens=9))
+    scheduler._free_request(SimpleNamespace(request_id="b", num_tokens=4))
+    assert final_lengths(scheduler.schedule()) == {"a": 9, "b": 4}
+    assert final_lengths(scheduler.schedule()) == {} and scheduler._interp_freed == {}
+    assert final_lengths(SimpleNamespace(finished_req_ids=set())) == {}  # an output the scheduler did not make

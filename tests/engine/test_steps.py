@@ -2,6 +2,8 @@
 request of its batch uses a feature in leaves nothing to publish, retire or collect, on an engine with every
 feature enabled."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import torch
 
@@ -46,7 +48,7 @@ def test_a_step_no_request_uses_a_feature_in_plans_nothing_and_one_that_does_pla
 
         assert plan("plain", 4) is None and plan("plain", 5) is None
         assert plan("steered", 4).steer == {(1, HOOK_INDEX["post_block"])}
-        runner._interp_finish({"steered"})
+        runner._interp_finish(SimpleNamespace(finished_req_ids={"steered"}))  # a SchedulerOutput as read
         assert plan("plain", 6) is None  # the steered request left: nothing to do again
         reads = plan("capturing", 4).site_reads
         assert reads.sites == {(1, HOOK_INDEX["post_block"])} and reads.rows.tolist() == [0]

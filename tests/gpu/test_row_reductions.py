@@ -41,3 +41,23 @@ def test_statistics_reduced_on_the_device_equal_those_of_the_rows(llm):
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     steps = llm.collective_rpc("interp_capture_steps")[0]
     assert steps["graph"] > 0 and steps["eager"] > 0, steps  # decode steps replayed graphs; prefill ran eagerly
+
+
+def test_a_request_stopped_by_a_stop_token_keeps_no_row_past_its_end(llm):
+    """Async scheduling (vLLM's default on GPUs) schedules a request's next step before its stop token is seen,
+    so a step runs past the end; its rows are dropped (the scheduler's final length, ``FinalLengths``, or the
+    results' own), and a stopped request's rows are those of the tokens it fed the model."""
+    unstopped = SamplingParams(**{**GREEDY, "max_tokens": 8})
+    for prompt in prompts(5):
+        (free,) = llm.generate([{"prompt_token_ids": prompt}], unstopped, use_tqdm=False)
+        tokens = list(free.outputs[0].token_ids)
+        stop_at = next((i for i in range(2, len(tokens) - 1) if tokens[i] not in tokens[:i]), None)
+        if stop_at is not None:
+            break
+    assert stop_at is not None, "no prompt generated a token fit to stop at"
+    stopped = SamplingParams(**{**GREEDY, "max_tokens": 8}, stop_token_ids=[tokens[stop_at]])
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], stopped, use_tqdm=False,
+                          readout={"hooks": {"post_block": "all"}, "positions": "all"})
+    generated = len(out.outputs[0].token_ids)
+    assert generated < len(tokens)  # it stopped early, at the stop token
+    assert out.residuals.positions == list(range(len(prompt) + generated - 1))

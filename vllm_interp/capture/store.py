@@ -20,7 +20,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Container, Iterable
+from collections.abc import Callable, Container, Iterable, Mapping
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
@@ -465,6 +465,9 @@ class CaptureStore:
         # Where the wait for a claimed request's results goes, summed over the requests answered: from its end
         # to its rows landed and handed to the consumers, to the consumers done, to the answer that took them.
         self.results_timeline = {"answered": 0, "land_s": 0.0, "consume_s": 0.0, "claim_s": 0.0}
+        # Requests the scheduler reported finished with their final length, and the positions their captures
+        # dropped as past it (an async scheduler's step that ran past a stop; ``_finalize``).
+        self.ends = {"finished_with_length": 0, "positions_past_end": 0}
         self._result_times: dict[str, tuple[float, float, list[float]]] = {}  # key -> ended, handed, [done]
         self._warm_reductions()
 
@@ -816,15 +819,19 @@ class CaptureStore:
         entry.handed.update(positions.tolist())
 
     # -- finishing --------------------------------------------------------------------------------------
-    def finish(self, finished_req_ids: set[str]) -> None:
-        """The scheduler reported these requests finished (normally or aborted): each is finalized once its
-        steps' copies have landed (now, or as later steps are collected or its results asked for)."""
+    def finish(self, finished_req_ids: set[str], final_lengths: Mapping[str, int] | None = None) -> None:
+        """The scheduler reported these requests finished (normally or aborted), with their final lengths where
+        it knows them: each is finalized once its steps' copies have landed (now, or as later steps are
+        collected or its results asked for), without rows past its length (see ``_finalize``)."""
         if not finished_req_ids:
             return
+        lengths = final_lengths or {}
         for req_id in finished_req_ids:
             entry = self._entries.pop(req_id, None)
             if entry is not None:
-                self._end(entry, None)
+                length = lengths.get(req_id)
+                self.ends["finished_with_length"] += length is not None
+                self._end(entry, length)
         self._drain(needed=())
 
     def _end_while_running(self, entry: _Entry, length: int | None) -> None:
@@ -898,6 +905,7 @@ class CaptureStore:
         # The last sampled token is never fed back: with the final length known, rows past it (an async
         # scheduler's step that ran past a stop) are not part of the request.
         computed = entry.num_computed if length is None else min(entry.num_computed, max(length - 1, 0))
+        self.ends["positions_past_end"] += entry.num_computed - computed
         columns = _Columns.of(entry.chunks)
         futures = {}
         for name, spec in entry.specs.items():

@@ -65,7 +65,7 @@ class InterpV1RunnerMixin(InterpSteps):
             state = self.requests.get(new.req_id)
             if state is not None and state.sampling_params is not None:
                 self._interp_admit(new.req_id, state.sampling_params.extra_args, state.num_prompt_tokens)
-        self._interp_finish(scheduler_output.finished_req_ids)
+        self._interp_finish(scheduler_output)
         return result
 
     def _prepare_inputs(self, *args, **kwargs):

@@ -105,7 +105,7 @@ class InterpV2RunnerMixin(InterpSteps):
                 self._interp_admit(new.req_id, *request)
         for req_id in scheduler_output.finished_req_ids:
             self.interp_requests.pop(req_id, None)
-        self._interp_finish(scheduler_output.finished_req_ids)
+        self._interp_finish(scheduler_output)
 
     def _interp_count_reads(self, scheduler_output) -> int:
         """The rows this step will read, from the scheduler's output (vLLM's runner has not laid it out yet)."""

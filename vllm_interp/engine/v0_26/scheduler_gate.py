@@ -11,6 +11,11 @@ have to ride on top of the class vLLM would choose, and async scheduling is deci
   running requests, and puts them back, in order, afterwards: they are admitted once a slot frees.
 - ``CaptureCacheBypass``: a request that captures prompt positions the prefix cache could serve (all but
   the last, which vLLM always computes) skips reading the cache, so that every such row is computed.
+- ``FinalLengths``: each finished request's final length (prompt and output tokens) rides to the workers
+  beside its id, on the ``SchedulerOutput`` that reports it finished (``final_lengths`` reads it there). An
+  async scheduler schedules a request's next step before it knows the request stopped (an EOS, a stop
+  token), so one step may run past the end; the worker's capture store drops that step's rows when the
+  request finishes, whether or not anyone has asked for its results yet.
 """
 
 import json
@@ -36,7 +41,16 @@ TOUCHPOINTS = (
                params=("request",)),
     Touchpoint("vllm.v1.request:Request.get_skip_reading_prefix_cache", "read",
                "vLLM's own flag that a request skips prefix-cache reads, set here for capturing requests"),
+    Touchpoint(f"{_SCHED}._free_request", "override", "a finished request's final length is noted as it is freed",
+               params=("request",)),
+    Touchpoint("vllm.v1.request:Request", "read", "a finished request's id", params=("request_id",)),
+    Touchpoint("vllm.v1.request:Request.num_tokens", "read", "a finished request's final length"),
+    Touchpoint("vllm.v1.core.sched.output:SchedulerOutput", "read",
+               "the ids of the requests it reports finished; their final lengths join it",
+               params=("finished_req_ids",)),
 )
+# Where ``FinalLengths`` puts a SchedulerOutput's finished requests' final lengths (req_id -> length).
+FINAL_LENGTHS = "interp_final_lengths"
 # Scheduler state that exists only on a live scheduler, checked on its first pass.
 SCHEDULER_ATTRIBUTES = {
     "running": "digests of running requests hold their steering slots",
@@ -124,9 +138,35 @@ class CaptureCacheBypass:
         super().add_request(request)
 
 
+class FinalLengths:
+    _interp_freed: dict[str, int]
+
+    def _free_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        if not hasattr(self, "_interp_freed"):
+            self._interp_freed = {}
+        self._interp_freed[request.request_id] = request.num_tokens
+        return super()._free_request(request, *args, **kwargs)
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().schedule(*args, **kwargs)
+        # Every freed request's id goes out in the next SchedulerOutput's finished ids, and its length with it.
+        freed = getattr(self, "_interp_freed", None)
+        lengths = {req_id: freed.pop(req_id) for req_id in output.finished_req_ids if req_id in freed} \
+            if freed else {}
+        setattr(output, FINAL_LENGTHS, lengths)
+        return output
+
+
+def final_lengths(scheduler_output: Any) -> dict[str, int]:
+    """The final lengths of the requests ``scheduler_output`` reports finished. Empty for one the scheduler did
+    not make (vLLM's empty outputs for dummy steps), which reports none."""
+    return getattr(scheduler_output, FINAL_LENGTHS, None) or {}
+
+
 @cache
 def _gated(scheduler_cls: type) -> type:
-    return type(f"Interp{scheduler_cls.__name__}", (SteeringAdmission, CaptureCacheBypass, scheduler_cls), {})
+    return type(f"Interp{scheduler_cls.__name__}", (SteeringAdmission, CaptureCacheBypass, FinalLengths,
+                                                     scheduler_cls), {})
 
 
 def install() -> None:

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from vllm_interp.capture.store import CaptureStore
+from vllm_interp.engine.v0_26.scheduler_gate import final_lengths
 from vllm_interp.models.site_ops import STEP, StepPatches, StepReads
 from vllm_interp.patching.tables import PatchTables
 from vllm_interp.row_plan import NO_READS, BatchLayout, ReadPlan
@@ -53,9 +54,11 @@ class InterpSteps:
         if self.interp_patching is not None:
             self.interp_patching.lookup(req_id, extra_args, prompt_len)
 
-    def _interp_finish(self, finished_req_ids: set[str]) -> None:
-        """The scheduler's finished requests (not preempted ones, which come back): captures handed on."""
-        self.interp_store.finish(finished_req_ids)
+    def _interp_finish(self, scheduler_output: Any) -> None:
+        """The scheduler's finished requests (not preempted ones, which come back): captures handed on, cut at
+        each request's final length (``scheduler_gate.FinalLengths``)."""
+        finished_req_ids = scheduler_output.finished_req_ids
+        self.interp_store.finish(finished_req_ids, final_lengths(scheduler_output))
         if self.interp_patching is not None:
             self.interp_patching.finish(finished_req_ids)
 

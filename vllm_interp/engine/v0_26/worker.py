@@ -153,7 +153,9 @@ class InterpWorkerMixin:
         steps ran in all (capturing or not) and how many of them replayed a CUDA graph; how many asks for
         results the worker answered, in how many ms of its forward thread, and for how many requests' results,
         in how many ms from the requests' ends to their rows handed on, to their consumers done, to the answers
-        (``CaptureStore.results_timeline``, summed); this process's garbage collections
+        (``CaptureStore.results_timeline``, summed); how many requests the scheduler reported finished with their
+        final length, and how many positions past it their captures dropped (``CaptureStore.ends``: an async
+        scheduler's step past a stop); this process's garbage collections
         per generation and their ms (``gc_clock``); on a GPU, also how many blocks torch's pinned cache (where
         captured rows land) pinned afresh, in how many ms, and unpinned."""
         model_runner = self.model_runner
@@ -164,6 +166,7 @@ class InterpWorkerMixin:
         timeline = store.results_timeline
         counts["results_answered"] = timeline["answered"]
         counts.update({f"results_{stage}_ms": timeline[f"{stage}_s"] * 1000 for stage in ("land", "consume", "claim")})
+        counts.update(store.ends)
         counts["blocks_made"] = sum(runner.host.blocks_made for runner in store.consumers.values())
         counts.update(self.interp_gc_clock.counts())
         if torch.cuda.is_available():
