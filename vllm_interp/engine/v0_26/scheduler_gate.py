@@ -1,4 +1,5 @@
-"""Monkeypatch: vllm-interp's admission rules in whichever scheduler vLLM picks.
+"""Monkeypatch: vllm-interp's admission rules, and what the workers learn of finished requests, in whichever
+scheduler vLLM picks.
 
 Wraps ``vllm.config.scheduler.SchedulerConfig.get_scheduler_cls`` (vLLM 0.26), which the engine core calls
 once to pick its scheduler class, so that whichever class vLLM picks (``Scheduler``, ``AsyncScheduler`` or
