@@ -19,7 +19,8 @@
 - The worker admitting a request whose all-layer steering config is new (its table rows written), per config;
   ``--device cuda`` puts that table on the GPU (host time, uploads included).
 - The site op's eager body at every site of an 8,192-token prefill step, per call: idle, and reading a row per
-  request finishing its prompt (``--device cuda``: the stream on the GPU, launches included).
+  request finishing its prompt; with ``--device cuda`` (the stream on the GPU, launches included) also steering
+  every row, and the steering add's two forms alone (the site kernel's launch, ``index_select`` + ``add_``).
 - A forward-like loop beside an ``inline`` consumer's runner thread busy with 32 requests: the interpreter
   lock's handoffs, with the forward gate open and closed (``capture.dispatch.FORWARD``), at Python's default
   switch interval and at 0.5 ms (``--engine-switch-interval-ms``).
@@ -76,6 +77,7 @@ from vllm_interp.frontend import InterpFrontend, PreparedRequest
 from vllm_interp.hooks import HOOKS, ModelShape, site_name
 from vllm_interp.models import site_ops
 from vllm_interp.models.registry import SiteBank
+from vllm_interp.models.site_kernel import steer_in_place
 from vllm_interp.patching.sources import SourceStore
 from vllm_interp.patching.tables import PatchTables
 from vllm_interp.request_args import EXTRA_ARGS_KEY
@@ -376,31 +378,51 @@ class NullConsumer(CaptureConsumer):
 def eager_site_us(args: argparse.Namespace) -> dict[str, float]:
     """The site op's eager body, per call over every site of a prefill step of 8,192 tokens (the stream a
     ``(hidden, residual)`` pair, as Llama's layers carry it) on ``--device``: sites the step leaves alone, and
-    sites reading one row per request finishing its prompt in the step (16: 512-token prompts). A capturing
-    wave's prefill steps run eagerly; py-spy put 50-130 us a call of the body on an H200 host's forward thread
-    (serve-gpu-2026-11-29.md, session 22)."""
+    sites reading one row per request finishing its prompt in the step (16: 512-token prompts). On CUDA also
+    sites steering every row (each token its config's vector), and the steering add alone in its two forms: the
+    site kernel's one launch (CUDA's eager path) and ``index_select`` + ``add_`` (the CPU's; on the CPU a steered
+    site's add is compute, tens of ms a call at these sizes). A wave's prefill steps run eagerly, host-bound on a
+    GPU host; py-spy put 50-130 us a call of the body on an H200 host's forward thread (serve-gpu-2026-11-29.md,
+    session 22)."""
     device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    bank = site_bank(args.layers, args.hidden, steer_rows=1, dtype=dtype, device=args.device)
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    bank = site_bank(args.layers, args.hidden, steer_rows=table_rows(8), dtype=dtype, device=args.device)
+    bank.steer_table.normal_()
+    bank.steer_table[:, :, 0] = 0  # row 0: unsteered
     tokens = 8192
     hidden = torch.randn(tokens, args.hidden, dtype=dtype, device=device)
     residual = torch.randn(tokens, args.hidden, dtype=dtype, device=device)
+    # The bank's index holds 8 tokens; a prefill step's holds one row per token.
+    steer_index = torch.randint(1, bank.steer_table.shape[2], (tokens,), device=device)
     sites = [(layer, hook) for layer in range(args.layers) for hook in range(len(HOOKS))]
 
-    def step() -> None:
-        for layer, hook in sites:
-            site_ops.site(hidden, residual, bank.steer_index, bank.steer_table[layer], bank.patch_index[layer],
-                          bank.patch_values, bank.patch_alpha, bank.read_slot, bank.read_flags[layer],
-                          bank.read_out[layer], layer, hook, False)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+    def per_site_us(call: Callable[[int, int], object]) -> float:
+        def step() -> None:
+            for layer, hook in sites:
+                call(layer, hook)
+            if cuda:
+                torch.cuda.synchronize()
+        return per_call_s(step, max(1, args.repeats // 20)) / len(sites) * 1e6
+
+    def site(layer: int, hook: int) -> None:
+        site_ops.site(hidden, residual, steer_index, bank.steer_table[layer], bank.patch_index[layer],
+                      bank.patch_values, bank.patch_alpha, bank.read_slot, bank.read_flags[layer],
+                      bank.read_out[layer], layer, hook, False)
 
     rows = to_device(np.arange(511, tokens, 512), device)
+    cases = [("idle", None, frozenset()), ("reading 16 rows", site_ops.StepReads(rows, frozenset(sites)), frozenset())]
     timings = {}
-    for what, reads in (("idle", None), ("reading 16 rows", site_ops.StepReads(rows, frozenset(sites)))):
-        site_ops.STEP.reads = reads
-        timings[what] = per_call_s(step, max(1, args.repeats // 20)) / len(sites) * 1e6
-    site_ops.STEP.reads = None
+    for what, reads, steer in cases + ([("steering every row", None, frozenset(sites))] if cuda else []):
+        site_ops.STEP.reads, site_ops.STEP.steer = reads, steer
+        timings[what] = per_site_us(site)
+    site_ops.STEP.reads, site_ops.STEP.steer = None, frozenset()
+    if cuda:
+        table = bank.steer_table
+        timings["the steering add alone: the site kernel's launch"] = per_site_us(
+            lambda layer, hook: steer_in_place(residual, steer_index, table[layer, hook]))
+        timings["the steering add alone: index_select + add_"] = per_site_us(
+            lambda layer, hook: residual.add_(table[layer, hook].index_select(0, steer_index)))
     return timings
 
 
