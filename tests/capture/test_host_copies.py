@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from vllm_interp.capture import host_copies
+from vllm_interp.capture.consumer import RowReduction
 from vllm_interp.capture.host_copies import PinnedArena
 
 MIB = 1 << 20
@@ -125,3 +126,21 @@ def test_held_pinned_memory_goes_back_once_the_last_view_of_it_is_gone():
     assert not released, "dropped on a consumer's thread: given back only by the forward thread"
     host_copies.give_back_dropped()
     assert released == [threading.current_thread()]
+
+
+def test_a_batchs_steps_are_stacked_when_first_read_not_when_the_batch_ends():
+    """A steady batch's steps are filed as one ``SteppedCopy`` when the batch ends, its last steps' summaries
+    possibly still in flight (a block of steps not sent yet): it stacks them when a request's part is first read,
+    once the forward thread has waited for them, and part ``k`` is request ``k``'s summaries of every step."""
+    reduction = RowReduction("sum", 1, lambda rows: rows.sum(-1, keepdim=True))
+    reduced = host_copies.ReducedSteps(reduction, (2, 3, 1), torch.device("cpu"))  # [sites, requests, width]
+    rows = [torch.randn(2, 3, 4) for _ in range(3)]
+    steps = [reduced.add(step_rows, [(0, 1), (1, 2), (2, 3)]) for step_rows in rows]
+    assert not any(step.done() for step in steps)  # the block is not full: nothing sent
+    stepped = host_copies.SteppedCopy(steps)  # the batch ends with its steps in flight
+    reduced.send()
+    for step in steps:  # the forward thread lands each step before finalizing a request that read in it
+        step.wait()
+    for k in range(3):
+        expected = torch.stack([step_rows[:, k].sum(-1, keepdim=True) for step_rows in rows], dim=1)
+        torch.testing.assert_close(stepped.part(k), expected)  # [sites, steps, width]

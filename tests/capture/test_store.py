@@ -426,8 +426,9 @@ def test_requests_of_one_step_wanting_different_sites_get_their_own_rows(block_l
         # other's rows alive.
         assert wide_step.rows is None
         assert wide_own[None].untyped_storage().data_ptr() != narrow_own[None].untyped_storage().data_ptr()
-    else:  # a small block stays whole with the step, and each request reads its view of it
-        assert isinstance(wide_step.rows, host_copies.WholeCopy) and wide_own is None and narrow_own is None
+    else:  # a small block stays whole with the step, and each request reads its view of it (the first step is
+        # one of a steady batch, which the second ended: filed as that batch's steps, stacked)
+        assert isinstance(wide_step.rows, host_copies.SteppedCopy) and wide_own is None and narrow_own is None
     store.finish({"wide", "narrow"})
     wide_rows = ResidualReadout.from_result(store.results({"w": 1}, wait_s=5)["w"]["inline"]["result"])
     narrow_rows = ResidualReadout.from_result(store.results({"n": 2}, wait_s=5)["n"]["inline"]["result"])

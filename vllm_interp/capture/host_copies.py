@@ -265,17 +265,24 @@ class ReducedStep(WholeCopy):
 
 
 class SteppedCopy:
-    """Landed ``WholeCopy``s of consecutive steps of one batch, each ``[sites, requests, width]`` (a row per
-    request), stacked as they are (``[steps, sites, requests, width]``): part ``k`` is request ``k``'s rows of
-    every step, in step order, a strided view that the request's gather copies on its consumer's thread.
-    Laying the rows out per request at once (a strided copy of every row) ran on the forward thread when the
-    batch ended and its requests' results were awaited: for 64 every-token requests of 256 steps ending
-    together (``benchmarks/host_costs.py``, dev CPU, A B A B) finalizing them took it 5.4-6.5 ms that way and
-    4.1-5.0 ms this way; the time to every result stayed 9-10 ms."""
+    """``WholeCopy``s of consecutive steps of one batch, each ``[sites, requests, width]`` (a row per request),
+    stacked as they are (``[steps, sites, requests, width]``): part ``k`` is request ``k``'s rows of every step,
+    in step order, a strided view that the request's gather copies on its consumer's thread.
+
+    Made when the batch ends, with its last steps' copies possibly still in flight; stacked when a part is first
+    asked for, on that consumer's thread, by which time every step has landed (the forward thread waits for a
+    step's copy before it finalizes any request that read in it). So the forward thread neither stacks the steps
+    nor files the ones still in flight request by request (an every-token request then had a chunk for each of
+    those, up to a block of ``ReducedSteps.STEPS`` and the next). Laying the rows out per request at once (a
+    strided copy of every row) ran on the forward thread when the batch ended and its requests' results were
+    awaited: for 64 every-token requests of 256 steps ending together (``benchmarks/host_costs.py``, dev CPU,
+    A B A B) finalizing them took it 5.4-6.5 ms that way and 4.1-5.0 ms stacked."""
 
     def __init__(self, copies: list[WholeCopy]) -> None:
-        self._array = np.stack([copy.array for copy in copies])
+        self._copies: list[WholeCopy] | None = copies
         self._dtype = copies[0].dtype
+        self._stacked: np.ndarray | None = None
+        self._lock = threading.Lock()  # requests of the batch may be gathered on several consumers' threads
 
     def done(self) -> bool:
         return True
@@ -287,7 +294,14 @@ class SteppedCopy:
         return _tensor_of(self.array_part(i), self._dtype)
 
     def array_part(self, i: int) -> np.ndarray:
-        return self._array[:, :, i].swapaxes(0, 1)
+        return self._array()[:, :, i].swapaxes(0, 1)
+
+    def _array(self) -> np.ndarray:
+        with self._lock:
+            if self._stacked is None:
+                self._stacked = np.stack([copy.array for copy in self._copies])
+                self._copies = None  # the stack holds the rows now
+            return self._stacked
 
 
 class _PinnedOwner:

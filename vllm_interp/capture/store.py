@@ -277,7 +277,7 @@ class _StepRows:
     reduced: dict[RowReduction, _Copy]  # [union sites, rows, width]
     sites: tuple[tuple[int, int], ...]  # in the rows' order
     plan: ReadPlan
-    run: "_SteadyReads | None" = None  # the steady batch it is filed under when it lands, if any
+    run: "_SteadyReads | None" = None  # the steady batch it is filed under (when that batch ends), if any
     # Readers (indices) given their own copies of their rows when it lands, out of a block held for the others.
     copied_out: frozenset[int] = frozenset()
 
@@ -299,10 +299,11 @@ class _StepRows:
 
     @classmethod
     def interleaved(cls, steps: list["_StepRows"]) -> "_StepRows":
-        """Landed steps of one steady batch (the same sites read, a row per request of each step), whose copies
-        landed whole, as one step in which each request's rows are its rows of all of them: a request is then
-        gathered from one part, not one per step (an every-token request of 512 steps: 0.3 ms of slicing on a
-        consumer's thread, dev CPU), and its positions are laid out from one array when it is finalized."""
+        """Steps of one steady batch (the same sites read, a row per request of each step), whose copies land
+        whole (some may be in flight still: ``SteppedCopy`` stacks them when first read), as one step in which
+        each request's rows are its rows of all of them: a request is then gathered from one part, not one per
+        step (an every-token request of 512 steps: 0.3 ms of slicing on a consumer's thread, dev CPU), and its
+        positions are laid out from one array when it is finalized."""
         first, count = steps[0], len(steps)
         readers = len(first.plan.req_ids)
         assert all(step.sites == first.sites and step.plan.num_rows == readers for step in steps)
@@ -332,11 +333,11 @@ class _SteadyReads:
 
     While it lasts, its steps are kept for the batch as a whole rather than for each request: the requests'
     computed counts (the last step's ends), the serial of the last step collected, which sites the step reads
-    and what its consumers take, and the landed steps (``filed``, when no request takes parts and a step's
-    copies land whole). ``settle`` writes these into each request once it is dropped, the landed steps as
-    one (``_StepRows.interleaved``), so that a steady step's bookkeeping on the forward thread does not grow
-    with the batch (loops over 64 requests took about 0.3 ms of an H200 host's decode step under torch's
-    Python tracer, which inflates such loops) and a request's rows are one chunk. Dropped
+    and what its consumers take, and its steps (``steps``, when no request takes parts and a step's copies land
+    whole). ``settle`` writes these into each request once it is dropped, its steps as one, landed or not
+    (``_StepRows.interleaved``), so that a steady step's bookkeeping on the forward thread does not grow with
+    the batch (loops over 64 requests took about 0.3 ms of an H200 host's decode step under torch's Python
+    tracer, which inflates such loops) and a request's rows are one chunk. Dropped
     (``CaptureStore._drop_steady``) when a step differs or a request ends: an ended request may still be in
     the batch, reading nothing more."""
 
@@ -348,11 +349,11 @@ class _SteadyReads:
     sites: frozenset[tuple[int, int]]  # the union of its requests' sites
     wants_rows: bool  # some consumer takes whole rows
     reductions: frozenset[RowReduction]
-    files_whole: bool  # no request takes parts: landed steps are filed under the batch (``filed``)
+    files_whole: bool  # no request takes parts: its steps are filed under the batch (``steps``)
     in_parts: bool  # every request takes parts: a step's copies are let go of within about a part
     stops: np.ndarray | None = None  # each request's computed count after the last step planned
     last_collected: int = -1  # the serial of its last step collected
-    filed: list["_StepRows"] = field(default_factory=list)
+    steps: list["_StepRows"] = field(default_factory=list)  # those collected under it (``files_whole``)
     settled: bool = False
     # Each reduction's steps reduced into blocks of several steps (``ReducedSteps``), when no consumer takes whole
     # rows or parts: a step's summaries land with their block (sent when full, and when the batch settles).
@@ -379,18 +380,18 @@ class _SteadyReads:
 
     def settle(self) -> None:
         """Write what its steps did into each request (once it is no longer used): computed counts, the last
-        step each read in, and the landed steps, after the chunks each request had."""
+        step each read in, and its steps, after the chunks each request had."""
         self.settled = True
         for steps in self.reduced_steps.values():  # the steps reduced since the last full block
             steps.send()
         stops = self.stops.tolist() if self.stops is not None else [0] * len(self.entries)
-        merged = _StepRows.interleaved(self.filed) if self.filed else None
+        merged = _StepRows.interleaved(self.steps) if self.steps else None
         for k, (entry, stop) in enumerate(zip(self.entries, stops, strict=True)):
             entry.num_computed = max(entry.num_computed, stop)
             entry.last_step = max(entry.last_step, self.last_collected)
             if merged is not None and entry.sites:
                 entry.chunks.append((merged, k, None))
-        self.filed = []
+        self.steps = []
 
     @classmethod
     def of(cls, layout: BatchLayout, answers: dict[int, ReadAnswer], entries: list[_Entry],
@@ -700,6 +701,7 @@ class CaptureStore:
         if steady is not None and steady.files_whole and all(
                 isinstance(copy, WholeCopy) for copy in step.copies().values()):
             step.run = steady
+            steady.steps.append(step)
         self._pending.append(step)
 
     def _graph_block(self, sites: tuple[tuple[int, int], ...], num_rows: int) -> torch.Tensor:
@@ -767,10 +769,8 @@ class CaptureStore:
         with the step, read as views when a request's rows are gathered: filing an every-token step of small
         summaries costs one tuple per request. Readers given their own copies of a held block (``copied_out``)
         file the step without it."""
-        run = step.run
-        if run is not None and not run.settled:
-            run.filed.append(step)  # under each of its requests when it is settled
-            return
+        if step.run is not None:
+            return  # filed under each of its requests with the rest of its batch's steps (``_SteadyReads.settle``)
         entries, ending, large = self._entries, self._ending, step.hand_out()
         # Readers whose rows are copied out of a held block file a step without its copies, which would keep the
         # block alive for as long as they run.
