@@ -17,6 +17,9 @@ logging consumer), ``logging_packed`` (the same, its statistics returned as one 
 of JSON lists), ``logging_packed_layer0`` (the same at layer 0's ``post_block`` alone: the per-step and
 per-request work is the same as at every layer, the rows and the device's work a sixteenth of a 16-layer
 model's, so the two phases together split the cost between what grows with the sites and what does not),
+``logging_packed_once`` (layer 0's ``post_block`` at the last prompt position alone: every request is admitted,
+finished, handed to its consumer and its results awaited as in the phases above, but no decode step reads, so it
+splits the cost of a capturing request from that of a capturing step),
 ``plain_after`` (sent the moment the burst's last stream ends, while its consumer may still
 work through the backlog), ``sink`` (the same capture to the sharded filesystem layout, which takes each request
 in parts while it runs), ``plain_after_sink``, ``sink_whole`` (the sink with ``part_mb: 0``: each request
@@ -109,13 +112,15 @@ from vllm_interp.capture.consumer import CaptureMeta, ConsumerContext, RequestCa
 from vllm_interp.capture.consumers.filesystem import FilesystemConsumer
 from vllm_interp.capture.spec import ConsumerSpec
 
-PHASES = ("plain", "logging", "logging_packed", "logging_packed_layer0", "plain_after", "sink", "plain_after_sink",
-          "sink_whole")
+PHASES = ("plain", "logging", "logging_packed_once", "logging_packed", "logging_packed_layer0", "plain_after", "sink",
+          "plain_after_sink", "sink_whole")
 EVERY_TOKEN = {"hooks": {"post_block": "all"}, "positions": "all"}
 # Each capturing phase's ``capture`` field.
 CAPTURES = {"logging": {"logging": EVERY_TOKEN}, "logging_packed": {"logging": {**EVERY_TOKEN, "format": "packed"}},
             "logging_packed_layer0": {"logging": {"hooks": {"post_block": [0]}, "positions": "all",
                                                   "format": "packed"}},
+            "logging_packed_once": {"logging": {"hooks": {"post_block": [0]}, "positions": "last_prompt",
+                                                "format": "packed"}},
             "sink": {"filesystem": EVERY_TOKEN}, "sink_whole": {"filesystem": {**EVERY_TOKEN, "part_mb": 0}}}
 
 
@@ -123,6 +128,13 @@ def captured_sites(capture: dict, layers: int) -> int:
     """How many sites a phase's ``capture`` field reads on a model of ``layers`` layers."""
     (spec,) = capture.values()
     return len(ConsumerSpec.model_validate(spec).sites(layers))
+
+
+def captured_positions(capture: dict, prompt_tokens: int, max_tokens: int) -> int:
+    """How many positions of a request a phase's ``capture`` field reads: the last prompt one, or every one that
+    goes through the model (all but the last generated)."""
+    (spec,) = capture.values()
+    return 1 if spec["positions"] == "last_prompt" else prompt_tokens + max_tokens - 1
 
 
 @dataclass
@@ -276,7 +288,9 @@ def report(args: argparse.Namespace, phases: list[Phase], rates: list[tuple[floa
              f"- Capture: `{json.dumps(EVERY_TOKEN)}` to `logging:level=debug` and to `filesystem` "
              f"(`layout=sharded,queue_mb={args.sink_queue_mb}`), isolation {args.isolation or 'each its default'}"
              + ("; `logging_packed_layer0` at layer 0 alone"
-                if any(p.name == "logging_packed_layer0" for p in phases) else ""),
+                if any(p.name == "logging_packed_layer0" for p in phases) else "")
+             + ("; `logging_packed_once` at layer 0's last prompt position alone"
+                if any(p.name == "logging_packed_once" for p in phases) else ""),
              f"- Server args: `{' '.join(args.server_arg)}`; started {started}; {wall_s:.0f} s"
              + (f"; written after {rounds_done} rounds (warm-up included) while the run went on: no disk rates, "
                 "no shards counted" if rounds_done is not None else "")
@@ -532,9 +546,8 @@ def main() -> None:
                     step_profile.post(url, "/stop_profile")
                     profile_sections.append(step_profile.summarise(step_profile.traces_since(profiles, since),
                                                                    f"round {round_index} {tag}", window))
-                # Every position but the last generated one goes through the model, at every site captured.
-                rows = (len(stats.ok) * (args.prompt_tokens + args.max_tokens - 1) * captured_sites(capture, layers)
-                        if capture else 0)
+                rows = (len(stats.ok) * captured_positions(capture, args.prompt_tokens, args.max_tokens)
+                        * captured_sites(capture, layers) if capture else 0)
                 phases.append(Phase(round_index, name, stats, rows * hidden * itemsize, steps, interval))
                 if name.startswith("sink"):
                     dropped += drop_shards(root)

@@ -1,6 +1,7 @@
 """Host-side costs per step and per request, without an engine: what vllm-interp's Python adds where vLLM waits.
 
     python -m benchmarks.host_costs [--requests 64] [--layers 16] [--hidden 2048] [--repeats 2000] [--device cpu]
+        [--only eager_site,every_token]
 
 - Capture planning for one decode step of ``--requests`` requests that each read every position (``all``) or
   every generated one (``all_generated``) at ``post_block`` of every layer: ``CaptureStore.plan_reads`` and
@@ -534,35 +535,67 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2000)
     parser.add_argument("--device", default="cpu",
                         help="where the steering table of the new-config cost and the eager site op's stream live")
+    parser.add_argument("--only", default=None,
+                        help=f"comma-separated sections to run (default: all): {', '.join(SECTIONS)}")
     args = parser.parse_args()
+    chosen = SECTIONS if args.only is None else args.only.split(",")
+    unknown = set(chosen) - set(SECTIONS)
+    if unknown:
+        parser.error(f"--only: unknown {sorted(unknown)} (known: {', '.join(SECTIONS)})")
+    for name in chosen:
+        SECTIONS[name](args)
+
+
+def print_planning(args: argparse.Namespace) -> None:
     print(f"Capture planning, one decode step of {args.requests} requests reading post_block of {args.layers} layers:")
     for positions in ("all", "all_generated"):
         print(f"  positions={positions}: {planning_us(positions, args):.0f} us a step")
+
+
+def print_wave(args: argparse.Namespace) -> None:
     print(f"A wave of {args.requests} requests capturing last_prompt at all {3 * args.layers} sites to inline, "
           "us a request:")
     for what, value in capture_wave_us(args).items():
         print(f"  {what}: {value:.0f}")
+
+
+def print_step_plan(args: argparse.Namespace) -> None:
     print(f"The runner's plan of a decode step of {args.requests} requests, every feature enabled:")
     for what, value in step_plan_us(args).items():
         print(f"  {what}: {value:.0f} us")
+
+
+def print_api_server(args: argparse.Namespace) -> None:
     print(f"One request on the API server, {args.layers} layers x {args.hidden}:")
     for what, value in api_server_ms(args).items():
         print(f"  {what}: {value:.3f}" + ("" if what.endswith("KB") else " ms"))
     print(f"The worker admitting a new all-layer steering config (its table rows): {new_config_ms(args):.3f} ms")
     print(f"A capturing stream's token event through the middleware: {stream_event_us(args):.2f} us")
+
+
+def print_eager_site(args: argparse.Namespace) -> None:
     print(f"The site op's eager body at {3 * args.layers} sites of an 8,192-token prefill step, on {args.device}, "
           "us a call:")
     for what, value in eager_site_us(args).items():
         print(f"  {what}: {value:.1f}")
+
+
+def print_beside_consumers(args: argparse.Namespace) -> None:
     print("A forward-like loop of 1,500 small ops beside 32 inline requests' consumption (the loop / the wait "
           "after it for the requests):")
     for what, (loop_ms, rest_ms) in beside_consumers_ms(args).items():
         print(f"  {what}: {loop_ms:.2f} / {rest_ms:.2f} ms")
+
+
+def print_every_token(args: argparse.Namespace) -> None:
     for consumer_class, how in ((LoggingConsumer, "logging (packed)"), (DiscardingSink, "a sink in 8 MiB parts")):
         print(f"Every-token capture of {args.requests} requests at post_block of {args.layers} layers to {how}, "
               f"256 decode steps:")
         for what, value in every_token_ms(args, consumer_class).items():
             print(f"  {what}: {value:.2f} ms")
+
+
+def print_copies(args: argparse.Namespace) -> None:
     print("One request's rows to an isolation=thread consumer that does nothing:")
     for what, value in in_thread_ms(args).items():
         print(f"  {what}: {value:.1f} ms")
@@ -571,6 +604,13 @@ def main() -> None:
     for what, (alone, beside) in copies_ms(args).items():
         print(f"  {what}: {alone:.2f} / {beside:.2f} ms")
 
+
+# In the order they run by default.
+SECTIONS: dict[str, Callable[[argparse.Namespace], None]] = {
+    "planning": print_planning, "wave": print_wave, "step_plan": print_step_plan, "api_server": print_api_server,
+    "eager_site": print_eager_site, "beside_consumers": print_beside_consumers, "every_token": print_every_token,
+    "copies": print_copies,
+}
 
 if __name__ == "__main__":
     main()
