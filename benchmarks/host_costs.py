@@ -78,7 +78,7 @@ from vllm_interp.frontend import InterpFrontend, PreparedRequest
 from vllm_interp.hooks import HOOKS, ModelShape, site_name
 from vllm_interp.models import site_ops
 from vllm_interp.models.registry import SiteBank
-from vllm_interp.models.site_kernel import steer_in_place
+from vllm_interp.models.site_kernel import site_in_graph, steer_in_place
 from vllm_interp.patching.sources import SourceStore
 from vllm_interp.patching.tables import PatchTables
 from vllm_interp.request_args import EXTRA_ARGS_KEY
@@ -382,9 +382,10 @@ def eager_site_us(args: argparse.Namespace) -> dict[str, float]:
     sites reading one row per request finishing its prompt in the step (16: 512-token prompts). On CUDA also
     sites steering every row (each token its config's vector), and the steering add alone in its two forms: the
     site kernel's one launch (CUDA's eager path) and ``index_select`` + ``add_`` (the CPU's; on the CPU a steered
-    site's add is compute, tens of ms a call at these sizes). A wave's prefill steps run eagerly, host-bound on a
-    GPU host; py-spy put 50-130 us a call of the body on an H200 host's forward thread (serve-gpu-2026-11-29.md,
-    session 22)."""
+    site's add is compute, tens of ms a call at these sizes); and the site kernel's launch on a 64-token stream,
+    where the host's share shows, through Triton's argument binding and launched again directly. A wave's prefill
+    steps run eagerly, host-bound on a GPU host; py-spy put 50-130 us a call of the body on an H200 host's forward
+    thread (serve-gpu-2026-11-29.md, session 22)."""
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -424,6 +425,13 @@ def eager_site_us(args: argparse.Namespace) -> dict[str, float]:
             lambda layer, hook: steer_in_place(residual, steer_index, table[layer, hook]))
         timings["the steering add alone: index_select + add_"] = per_site_us(
             lambda layer, hook: residual.add_(table[layer, hook].index_select(0, steer_index)))
+        # A 64-token stream: the device's share is small enough that these time the launch on the host.
+        short, short_index = residual[:64].clone(), steer_index[:64].clone()
+        timings["the steering add alone on 64 rows (host-bound): through Triton's launch"] = per_site_us(
+            lambda layer, hook: site_in_graph(short, None, short_index, table[layer, hook], None, short, short, None,
+                                              short_index, short, False))
+        timings["the steering add alone on 64 rows (host-bound): launched again directly"] = per_site_us(
+            lambda layer, hook: steer_in_place(short, short_index, table[layer, hook]))
     return timings
 
 

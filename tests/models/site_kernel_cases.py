@@ -5,7 +5,7 @@ alphas other than 0 and 1), and rows the buffers do not name are untouched."""
 
 import torch
 
-from vllm_interp.models.site_kernel import site_in_graph, steer_in_place
+from vllm_interp.models.site_kernel import _STEERING_KERNELS, _steering_key, site_in_graph, steer_in_place
 from vllm_interp.models.site_ops import STEP, StepReads, site
 
 TOKENS, HOOK, LAYER = 9, 1, 3
@@ -99,11 +99,19 @@ def kernel_leaves_unnamed_rows_alone(device: torch.device) -> None:
     assert (read_out == 7).all()
 
 
-def eager_steering_adds_the_indexed_rows(device: torch.device, dtype: torch.dtype, width: int) -> None:
+def eager_steering_adds_the_indexed_rows(device: torch.device, dtype: torch.dtype, width: int) -> bool:
     """The eager op's steering on CUDA (``steer_in_place``) adds each row's table row as the gather-and-add does,
-    bit for bit, to a stream taller than the steered rows (an eager step's tokens, of which rows 0 and 5 take
-    row 0)."""
+    bit for bit (rows 0 and 5 take row 0: unsteered); then again on another stream, shorter, with another hook's
+    table, as the next steered site of an eager step would: on a GPU, where the pointers are aligned, through the
+    kernel compiled for the first launch, launched directly. Returns whether the second launch went so."""
     hidden, _, steer_index, table, *_ = _buffers(device, width, dtype, False)
     expected = hidden + table[HOOK].index_select(0, steer_index)
     steer_in_place(hidden, steer_index, table[HOOK])
     assert torch.equal(hidden, expected)
+    again, index, other_table = hidden[:5].clone(), steer_index[:5], table[HOOK + 1]
+    expected = again + other_table.index_select(0, index)
+    key = _steering_key(again, index, other_table)
+    relaunched = key is not None and key in _STEERING_KERNELS
+    steer_in_place(again, index, other_table)
+    assert torch.equal(again, expected)
+    return relaunched

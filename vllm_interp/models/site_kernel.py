@@ -16,6 +16,8 @@ Rows the buffers do not name are neither loaded nor written: the results equal t
 bit for alpha 0 or 1 and steering, and to one rounding for other alphas.
 """
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -87,16 +89,17 @@ def _site_kernel(hidden_ptr, residual_ptr, hidden_stride, residual_stride, width
 def site_in_graph(hidden: torch.Tensor, residual: torch.Tensor | None, steer_index: torch.Tensor,
                   steer_table: torch.Tensor | None, patch_index: torch.Tensor | None, patch_values: torch.Tensor,
                   patch_alpha: torch.Tensor, read_slot: torch.Tensor | None, read_flag: torch.Tensor,
-                  read_out: torch.Tensor, hidden_in_use: bool) -> None:
+                  read_out: torch.Tensor, hidden_in_use: bool) -> Any:
     """Launch the kernel over the flat ``[tokens, width]`` stream; None turns a part off (``steer_table``:
-    this hook's ``[rows, width]`` table; ``read_flag``: a one-element view of the site's flag)."""
+    this hook's ``[rows, width]`` table; ``read_flag``: a one-element view of the site's flag). Returns the
+    compiled kernel Triton launched (None for no rows, or under Triton's interpreter)."""
     rows, width = hidden.shape
     if rows == 0:
-        return
-    block = min(1024, triton.next_power_of_2(width))
+        return None
+    block = _block(width)
     grid = (rows, triton.cdiv(width, block))
     residual_arg = hidden if residual is None else residual
-    _site_kernel[grid](
+    return _site_kernel[grid](
         hidden, residual_arg, hidden.stride(0), residual_arg.stride(0), width,
         steer_index, hidden if steer_table is None else steer_table,
         0 if steer_table is None else steer_table.stride(0),
@@ -107,9 +110,50 @@ def site_in_graph(hidden: torch.Tensor, residual: torch.Tensor | None, steer_ind
     )
 
 
+def _block(width: int) -> int:
+    return min(1024, triton.next_power_of_2(width))
+
+
+# The compiled steering-alone kernel per launch key (``_steering_key``), launched again directly.
+_STEERING_KERNELS: dict[tuple, Any] = {}
+
+
+def _steering_key(stream: torch.Tensor, steer_index: torch.Tensor, table: torch.Tensor) -> tuple | None:
+    """What Triton specializes a steering-alone launch on, besides the constants: the dtypes, the integer
+    arguments (the width and the two row strides: each may be specialized as 1 or as a multiple of 16) and
+    the pointers' alignment. None unless every pointer is 16-byte aligned, as a fresh tensor's is: such a
+    launch goes through Triton, which specializes it on its own."""
+    if any(tensor.data_ptr() % 16 for tensor in (stream, steer_index, table)):
+        return None
+    return stream.dtype, steer_index.dtype, table.dtype, stream.shape[1], stream.stride(0), table.stride(0)
+
+
 def steer_in_place(stream: torch.Tensor, steer_index: torch.Tensor, table: torch.Tensor) -> None:
     """Add to each row of the flat ``[tokens, width]`` stream the row of ``table`` that ``steer_index`` names
     (row 0: none): the site op's eager steering on CUDA, one launch of the kernel with steering alone (a gather
     and an add were two launches, four torch calls and a copy of the gathered rows). Its one variant is built at
-    start-up (``site_ops.warm_eager_steering``), not in the first steered step that runs eagerly."""
-    site_in_graph(stream, None, steer_index, table, None, stream, stream, None, steer_index, stream, False)
+    start-up (``site_ops.warm_eager_steering``), not in the first steered step that runs eagerly.
+
+    A step that runs eagerly (a prefill chunk) calls this at every steered site, each time with another layer's
+    stream and table, so the last launch cannot be repeated as it was (as ``logging``'s statistics kernel is);
+    but every such launch of an engine specializes alike: the kernel Triton compiled for a launch key is launched
+    again directly (Triton's ``CompiledKernel[grid]``), without binding and specializing its sixteen arguments
+    anew, which is most of a launch's host time (22.7 against 12.6 us for the statistics kernel on an H100 host;
+    benchmarks/results/bulk-capture-gpu-2026-12-06.md)."""
+    rows, width = stream.shape
+    if rows == 0:
+        return
+    key = _steering_key(stream, steer_index, table)
+    compiled = _STEERING_KERNELS.get(key) if key is not None else None
+    if compiled is None:
+        compiled = site_in_graph(stream, None, steer_index, table, None, stream, stream, None, steer_index, stream,
+                                 False)
+        if key is not None and compiled is not None:  # Triton's interpreter gives no kernel
+            _STEERING_KERNELS[key] = compiled
+        return
+    block, row_stride = _block(width), stream.stride(0)
+    # site_in_graph's arguments for steering alone, in the kernel's order, its constants last.
+    compiled[(rows, triton.cdiv(width, block), 1)](
+        stream, stream, row_stride, row_stride, width, steer_index, table, table.stride(0),
+        steer_index, stream, row_stride, stream, steer_index, steer_index, stream, row_stride,
+        False, False, False, True, False, block)
