@@ -96,22 +96,27 @@ def site_in_graph(hidden: torch.Tensor, residual: torch.Tensor | None, steer_ind
     rows, width = hidden.shape
     if rows == 0:
         return None
-    block = _block(width)
-    grid = (rows, triton.cdiv(width, block))
+    args = _site_args(hidden, residual, steer_index, steer_table, patch_index, patch_values, patch_alpha, read_slot,
+                      read_flag, read_out, hidden_in_use)
+    return _site_kernel[(rows, triton.cdiv(width, args[-1]))](*args)
+
+
+def _site_args(hidden: torch.Tensor, residual: torch.Tensor | None, steer_index: torch.Tensor,
+               steer_table: torch.Tensor | None, patch_index: torch.Tensor | None, patch_values: torch.Tensor,
+               patch_alpha: torch.Tensor, read_slot: torch.Tensor | None, read_flag: torch.Tensor,
+               read_out: torch.Tensor, hidden_in_use: bool) -> tuple:
+    """``_site_kernel``'s arguments in its order, the constants last (``BLOCK`` the last of them): a part turned
+    off passes a tensor it never reads in place of its own."""
     residual_arg = hidden if residual is None else residual
-    return _site_kernel[grid](
-        hidden, residual_arg, hidden.stride(0), residual_arg.stride(0), width,
+    return (
+        hidden, residual_arg, hidden.stride(0), residual_arg.stride(0), hidden.shape[1],
         steer_index, hidden if steer_table is None else steer_table,
         0 if steer_table is None else steer_table.stride(0),
         steer_index if patch_index is None else patch_index, patch_values, patch_values.stride(0), patch_alpha,
         steer_index if read_slot is None else read_slot, read_flag, read_out, read_out.stride(0),
-        HAS_RESIDUAL=residual is not None, HIDDEN_IN_USE=hidden_in_use, PATCH=patch_index is not None,
-        STEER=steer_table is not None, READ=read_slot is not None, BLOCK=block,
+        residual is not None, hidden_in_use, patch_index is not None, steer_table is not None, read_slot is not None,
+        min(1024, triton.next_power_of_2(hidden.shape[1])),
     )
-
-
-def _block(width: int) -> int:
-    return min(1024, triton.next_power_of_2(width))
 
 
 # The compiled steering-alone kernel per launch key (``_steering_key``), launched again directly.
@@ -146,14 +151,14 @@ def steer_in_place(stream: torch.Tensor, steer_index: torch.Tensor, table: torch
     key = _steering_key(stream, steer_index, table)
     compiled = _STEERING_KERNELS.get(key) if key is not None else None
     if compiled is None:
-        compiled = site_in_graph(stream, None, steer_index, table, None, stream, stream, None, steer_index, stream,
-                                 False)
+        compiled = site_in_graph(*_steering_alone(stream, steer_index, table))
         if key is not None and compiled is not None:  # Triton's interpreter gives no kernel
             _STEERING_KERNELS[key] = compiled
         return
-    block, row_stride = _block(width), stream.stride(0)
-    # site_in_graph's arguments for steering alone, in the kernel's order, its constants last.
-    compiled[(rows, triton.cdiv(width, block), 1)](
-        stream, stream, row_stride, row_stride, width, steer_index, table, table.stride(0),
-        steer_index, stream, row_stride, stream, steer_index, steer_index, stream, row_stride,
-        False, False, False, True, False, block)
+    args = _site_args(*_steering_alone(stream, steer_index, table))
+    compiled[(rows, triton.cdiv(width, args[-1]), 1)](*args)  # a compiled kernel's launcher takes three dimensions
+
+
+def _steering_alone(stream: torch.Tensor, steer_index: torch.Tensor, table: torch.Tensor) -> tuple:
+    """``site_in_graph``'s arguments for steering alone: the stream stands in for the buffers it never reads."""
+    return stream, None, steer_index, table, None, stream, stream, None, steer_index, stream, False
