@@ -143,8 +143,8 @@ def steer_in_place(stream: torch.Tensor, steer_index: torch.Tensor, table: torch
     stream and table, so the last launch cannot be repeated as it was (as ``logging``'s statistics kernel is);
     but every such launch of an engine specializes alike: the kernel Triton compiled for a launch key is launched
     again directly (Triton's ``CompiledKernel[grid]``), without binding and specializing its sixteen arguments
-    anew, which is most of a launch's host time (22.7 against 12.6 us for the statistics kernel on an H100 host;
-    benchmarks/results/bulk-capture-gpu-2026-12-06.md)."""
+    anew: 25.1 against 32.1 us of an H100 host's time a launch on a 64-token stream (``benchmarks/host_costs.py
+    --device cuda --only eager_site``; benchmarks/results/serve-gpu-2026-12-07.md, session 47)."""
     rows, width = stream.shape
     if rows == 0:
         return
