@@ -78,7 +78,7 @@ from vllm_interp.frontend import InterpFrontend, PreparedRequest
 from vllm_interp.hooks import HOOKS, ModelShape, site_name
 from vllm_interp.models import site_ops
 from vllm_interp.models.registry import SiteBank
-from vllm_interp.models.site_kernel import site_in_graph, steer_in_place
+from vllm_interp.models.site_kernel import site_in_graph, steer_in_place, steering_alone_args
 from vllm_interp.patching.sources import SourceStore
 from vllm_interp.patching.tables import PatchTables
 from vllm_interp.request_args import EXTRA_ARGS_KEY
@@ -428,8 +428,7 @@ def eager_site_us(args: argparse.Namespace) -> dict[str, float]:
         # A 64-token stream: the device's share is small enough that these time the launch on the host.
         short, short_index = residual[:64].clone(), steer_index[:64].clone()
         timings["the steering add alone on 64 rows (host-bound): through Triton's launch"] = per_site_us(
-            lambda layer, hook: site_in_graph(short, None, short_index, table[layer, hook], None, short, short, None,
-                                              short_index, short, False))
+            lambda layer, hook: site_in_graph(*steering_alone_args(short, short_index, table[layer, hook])))
         timings["the steering add alone on 64 rows (host-bound): launched again directly"] = per_site_us(
             lambda layer, hook: steer_in_place(short, short_index, table[layer, hook]))
     return timings

@@ -277,7 +277,7 @@ class _StepRows:
     reduced: dict[RowReduction, _Copy]  # [union sites, rows, width]
     sites: tuple[tuple[int, int], ...]  # in the rows' order
     plan: ReadPlan
-    run: "_SteadyReads | None" = None  # the steady batch it is filed under (when that batch ends), if any
+    in_batch: bool = False  # filed with its steady batch's other steps when that batch ends (``_SteadyReads``)
     # Readers (indices) given their own copies of their rows when it lands, out of a block held for the others.
     copied_out: frozenset[int] = frozenset()
 
@@ -354,7 +354,6 @@ class _SteadyReads:
     stops: np.ndarray | None = None  # each request's computed count after the last step planned
     last_collected: int = -1  # the serial of its last step collected
     steps: list["_StepRows"] = field(default_factory=list)  # those collected under it (``files_whole``)
-    settled: bool = False
     # Each reduction's steps reduced into blocks of several steps (``ReducedSteps``), when no consumer takes whole
     # rows or parts: a step's summaries land with their block (sent when full, and when the batch settles).
     reduced_steps: dict[RowReduction, ReducedSteps] = field(default_factory=dict)
@@ -381,7 +380,6 @@ class _SteadyReads:
     def settle(self) -> None:
         """Write what its steps did into each request (once it is no longer used): computed counts, the last
         step each read in, and its steps, after the chunks each request had."""
-        self.settled = True
         for steps in self.reduced_steps.values():  # the steps reduced since the last full block
             steps.send()
         stops = self.stops.tolist() if self.stops is not None else [0] * len(self.entries)
@@ -700,7 +698,7 @@ class CaptureStore:
         step = _StepRows(rows, reduced, sites, plan, copied_out=copied_out)
         if steady is not None and steady.files_whole and all(
                 isinstance(copy, WholeCopy) for copy in step.copies().values()):
-            step.run = steady
+            step.in_batch = True
             steady.steps.append(step)
         self._pending.append(step)
 
@@ -769,7 +767,7 @@ class CaptureStore:
         with the step, read as views when a request's rows are gathered: filing an every-token step of small
         summaries costs one tuple per request. Readers given their own copies of a held block (``copied_out``)
         file the step without it."""
-        if step.run is not None:
+        if step.in_batch:
             return  # filed under each of its requests with the rest of its batch's steps (``_SteadyReads.settle``)
         entries, ending, large = self._entries, self._ending, step.hand_out()
         # Readers whose rows are copied out of a held block file a step without its copies, which would keep the

@@ -151,14 +151,15 @@ def steer_in_place(stream: torch.Tensor, steer_index: torch.Tensor, table: torch
     key = _steering_key(stream, steer_index, table)
     compiled = _STEERING_KERNELS.get(key) if key is not None else None
     if compiled is None:
-        compiled = site_in_graph(*_steering_alone(stream, steer_index, table))
+        compiled = site_in_graph(*steering_alone_args(stream, steer_index, table))
         if key is not None and compiled is not None:  # Triton's interpreter gives no kernel
             _STEERING_KERNELS[key] = compiled
         return
-    args = _site_args(*_steering_alone(stream, steer_index, table))
+    args = _site_args(*steering_alone_args(stream, steer_index, table))
     compiled[(rows, triton.cdiv(width, args[-1]), 1)](*args)  # a compiled kernel's launcher takes three dimensions
 
 
-def _steering_alone(stream: torch.Tensor, steer_index: torch.Tensor, table: torch.Tensor) -> tuple:
-    """``site_in_graph``'s arguments for steering alone: the stream stands in for the buffers it never reads."""
+def steering_alone_args(stream: torch.Tensor, steer_index: torch.Tensor, table: torch.Tensor) -> tuple:
+    """``site_in_graph``'s arguments for steering alone (the eager op's add; ``benchmarks/host_costs.py`` times it
+    through Triton's launch): the stream stands in for the buffers it never reads."""
     return stream, None, steer_index, table, None, stream, stream, None, steer_index, stream, False
