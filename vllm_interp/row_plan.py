@@ -73,8 +73,8 @@ class ReadPlan:
 
     @cached_property
     def _bounds(self) -> list[int]:
-        # Python ints: a request's rows are gathered from one slice per step it read in (512 for an every-token
-        # request of 512 positions), and indexing the array for each bound costs several times more.
+        # Python ints: a request's rows are gathered from one slice per step filed for it (up to 512 for an
+        # every-token request of 512 positions), and indexing the array for each bound costs several times more.
         return self.slot_starts.tolist()
 
     def positions_of(self, k: int) -> np.ndarray:

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from tests.capture.test_store import HIDDEN, extra_args, make_store
+from vllm_interp.capture.consumers.inline import ResidualReadout
 from vllm_interp.engine.v0_26.steps import InterpSteps
 from vllm_interp.hooks import HOOK_INDEX, site_name
 from vllm_interp.models.registry import SiteBank
@@ -114,3 +115,60 @@ def test_the_steady_decode_steps_of_a_steered_batch_take_the_last_plan_without_p
         assert joined.steer == sites and joined.site_reads.rows.tolist() == [2, 3, 4, 5] and len(indexed) == 4
     finally:
         store.close()
+
+
+def test_the_steady_decode_steps_of_an_every_token_batch_read_as_planned_in_full_without_laying_it_out():
+    steered = SteeringVectors({"decode": {site_name(1, "post_block"): np.ones(HIDDEN, np.float32)}})
+    steering = {"steering": {"vectors": steered.to_wire(), "digest": "s"}}
+    requests = {"a": extra_args("ka", "all"), "b": extra_args("kb", "all_generated"),
+                "c": {EXTRA_ARGS_KEY: {**extra_args("kc", "all")[EXTRA_ARGS_KEY], **steering}}}
+    batch = list(requests)
+
+    def run(full: bool) -> tuple[list, list, dict]:
+        """Every step's plan, the steps ``plan_reads`` planned, and the results; ``full``: no steady shortcut."""
+        bank = SiteBank.allocate([0, 1], hidden_size=HIDDEN, dtype=torch.float32, device=torch.device("cpu"),
+                                 max_tokens=16, steer_rows=table_rows(2), patch_slots=1, graph_read_rows=0)
+        store, runner = make_store(), _Runner(requests)
+        runner.attach(store, SteeringTables(bank, 2), None)
+        planned, plan_reads = [], store.plan_reads
+        store.plan_reads = lambda layout: planned.append(layout.num_tokens.tolist()) or plan_reads(layout)
+        if full:
+            store.steady_reads = lambda *args: None
+        plans = []
+        try:
+            for req_id in batch:
+                runner._interp_admit(req_id, requests[req_id], 4)
+            for tokens, computed in [([4, 4, 4], [0, 0, 0]), *(([1, 1, 1], [n] * 3) for n in range(4, 10))]:
+                runner._interp_plan(batch, np.cumsum([0, *tokens]), np.array(computed))
+                step = runner._interp_retire()
+                plans.append(step)
+                # Each row the stream's position plus 100 per request, as the site op hands it back eagerly.
+                owner = np.repeat(np.arange(3), tokens)
+                values = torch.tensor(np.array(computed)[owner] + np.arange(sum(tokens))
+                                      - np.repeat(np.cumsum([0, *tokens[:-1]]), tokens) + 100.0 * owner)
+                stream = values[:, None].expand(-1, HIDDEN).float()
+                step.site_reads.out.update({site: stream.index_select(0, step.site_reads.rows)
+                                            for site in step.site_reads.sites})
+                runner._interp_collect(step)
+            results = store.results({f"k{req_id}": 11 for req_id in batch}, wait_s=5)
+            return plans, planned, results
+        finally:
+            store.close()
+
+    fast, full = run(full=False), run(full=True)
+    assert fast[1] == [[4, 4, 4], [1, 1, 1]] and len(full[1]) == 7  # the prefill step and the batch's first decode
+    for taken, planned in zip(fast[0], full[0], strict=True):
+        assert taken.steer == planned.steer == {(1, HOOK_INDEX["post_block"])}
+        assert taken.reads.req_ids == planned.reads.req_ids
+        for field in ("rows", "positions", "slot_starts"):
+            np.testing.assert_array_equal(getattr(taken.reads, field), getattr(planned.reads, field))
+        assert taken.site_reads.rows.tolist() == planned.site_reads.rows.tolist()
+        assert taken.site_reads.sites == planned.site_reads.sites
+    for k, req_id in enumerate(batch):
+        readouts = [ResidualReadout.from_result(results[f"k{req_id}"]["inline"]["result"])
+                    for results in (fast[2], full[2])]
+        first = 4 if req_id == "b" else 0
+        assert readouts[0].positions == readouts[1].positions == list(range(first, 10))
+        expected = torch.arange(first, 10).float() + 100.0 * k
+        for readout in readouts:
+            torch.testing.assert_close(readout["1.post_block"][:, 0], expected, rtol=0, atol=0)

@@ -166,8 +166,8 @@ class WholeCopy:
         return dict(zip(indices, split_copies(host, [self.splits[i] for i in indices]), strict=True))
 
     def array_part(self, i: int) -> np.ndarray:
-        """``part(i)`` as an array: a request's rows are gathered from one such view per step it read in, and
-        slicing a tensor costs several microseconds to an array's fraction of one."""
+        """``part(i)`` as an array: a request's rows are gathered from one such view per step it read in that
+        was filed for it alone, and slicing a tensor costs several microseconds to an array's fraction of one."""
         start, stop = self.splits[i]
         return self.array[:, start:stop]
 
@@ -275,8 +275,9 @@ class SteppedCopy:
     nor files the ones still in flight request by request (an every-token request then had a chunk for each of
     those, up to a block of ``ReducedSteps.STEPS`` and the next). Laying the rows out per request at once (a
     strided copy of every row) ran on the forward thread when the batch ended and its requests' results were
-    awaited: for 64 every-token requests of 256 steps ending together (``benchmarks/host_costs.py``, dev CPU,
-    A B A B) finalizing them took it 5.4-6.5 ms that way and 4.1-5.0 ms stacked."""
+    awaited, and so did stacking the steps: for 64 every-token requests of 256 steps ending together
+    (``benchmarks/host_costs.py``, dev CPU, A B A B) finalizing them took it 6.3-10.4 ms before the steps were
+    stacked here and 3.8-3.9 ms since (``benchmarks/results/host-costs-cpu-2026-12-07.md``)."""
 
     def __init__(self, copies: list[WholeCopy]) -> None:
         self._copies: list[WholeCopy] | None = copies

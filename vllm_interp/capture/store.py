@@ -212,8 +212,9 @@ def _gather(chunks: list["_Chunk"], sites: list[tuple[int, int]], columns: np.nd
             block: torch.Tensor, reduction: RowReduction | None) -> None:
     """Write ``sites`` x the chunks' ``columns`` (all, in order, when None) of their rows (or of their
     ``reduction``) into ``block``: on a consumer's runner thread, off the forward path. An every-token request
-    has a chunk per step it ran in. Summaries are small: numpy views and one copy that keeps the interpreter
-    lock (a tensor op per chunk cost 2.3 ms a request on the H100 host, this 1.25). Whole rows are large:
+    has a chunk per step it ran in, or per steady batch whose steps were filed under the batch. Summaries are
+    small: numpy views and one copy that keeps the interpreter lock (a tensor op per chunk cost 2.3 ms a request
+    on the H100 host, this 1.25). Whole rows are large:
     copied by torch in one call, as numpy gives up the lock for every chunk's copy and, behind a busy forward
     loop, waits to take it back each time (512 chunks of 16 x 2048 bf16 on the dev CPU: 2.0-2.4 ms alone,
     36-44 ms beside a busy thread; torch 2.0-2.3 and 2.2-4.4; ``benchmarks/host_costs.py``)."""
@@ -353,7 +354,8 @@ class _SteadyReads:
     in_parts: bool  # every request takes parts: a step's copies are let go of within about a part
     stops: np.ndarray | None = None  # each request's computed count after the last step planned
     last_collected: int = -1  # the serial of its last step collected
-    steps: list["_StepRows"] = field(default_factory=list)  # those collected under it (``files_whole``)
+    # Those collected under it whose copies land whole (``files_whole``): filed with it when it settles.
+    steps: list["_StepRows"] = field(default_factory=list)
     # Each reduction's steps reduced into blocks of several steps (``ReducedSteps``), when no consumer takes whole
     # rows or parts: a step's summaries land with their block (sent when full, and when the batch settles).
     reduced_steps: dict[RowReduction, ReducedSteps] = field(default_factory=dict)
@@ -368,12 +370,13 @@ class _SteadyReads:
             steps = self.reduced_steps[reduction] = ReducedSteps(reduction, shape, block.device)
         return steps.add(block, self.splits)
 
-    def plan(self, layout: BatchLayout) -> ReadPlan | None:
-        """The plan of a step laid out as ``layout``, when it is the same batch one token further (else None)."""
-        if layout.total_tokens != len(self.req_ids) or layout.req_ids != self.req_ids:
+    def plan(self, req_ids: list[str], total_tokens: int, position_starts: np.ndarray) -> ReadPlan | None:
+        """The plan of a step of ``req_ids`` (``total_tokens`` in all, each request's from ``position_starts``),
+        when it is the same batch one token further (else None)."""
+        if total_tokens != len(self.req_ids) or req_ids != self.req_ids:
             return None
-        # A copy: the layout's positions may be a view of the runner's buffers, which the next step rewrites.
-        positions = layout.position_starts.copy()
+        # A copy: the positions may be a view of the runner's buffers, which the next step rewrites.
+        positions = np.array(position_starts[:total_tokens], dtype=np.int64)
         self.stops = positions + 1 if self.stops is None else np.maximum(self.stops, positions + 1)
         return ReadPlan(rows=self.rows, positions=positions, req_ids=self.req_ids, slot_starts=self.slot_starts)
 
@@ -445,7 +448,7 @@ class CaptureStore:
         self._results: dict[str, dict[str, Future]] = {}
         self._pending: list[_StepRows] = []
         self._collected = 0  # steps collected so far; the next one's serial
-        self._filed = 0  # steps filed so far: every step with a smaller serial has landed
+        self._filed = 0  # steps landed so far, filed or left to their steady batch: every smaller serial has landed
         self._ending: dict[str, _Entry] = {}  # ended, waiting for the copies of their steps to land
         self._part_phases = (k * GOLDEN_RATIO_FRACTION for k in itertools.count())  # see ``_hand_part``
         self._armed_rows: torch.Tensor | None = None  # graph read buffer entries the last step set
@@ -539,7 +542,7 @@ class CaptureStore:
         if not reading:  # no request reads: an enabled but idle engine plans this before every step
             return plan_reads(layout, answers)
         if self._steady is not None:
-            if (plan := self._steady.plan(layout)) is not None:
+            if (plan := self._steady.plan(layout.req_ids, layout.total_tokens, layout.position_starts)) is not None:
                 return plan
             self._drop_steady()
         starts, counts = layout.position_starts.tolist(), layout.num_tokens.tolist()
@@ -560,6 +563,18 @@ class CaptureStore:
         plan = plan_reads(layout, answers)
         self._steady = _SteadyReads.of(layout, answers, readers, plan)
         return plan
+
+    def steady_reads(self, req_ids: list[str], total_tokens: int, position_starts: np.ndarray,
+                     device: torch.device) -> tuple[ReadPlan, StepReads | None] | None:
+        """``plan_reads`` and ``site_reads`` of a step that is the steady batch one token further (every decode
+        step of every-token capture), without the batch laid out: the same rows of the same requests at the next
+        positions, read at the same sites into the graph read buffers armed for the batch's first step (any other
+        step in between would have ended the batch). None for any other step, which is planned in full. On an
+        H100 host's loaded forward thread the full plan of such a step took about 80 us (py-spy)."""
+        steady = self._steady
+        if steady is None or (plan := steady.plan(req_ids, total_tokens, position_starts)) is None:
+            return None
+        return plan, StepReads(self._device_rows(plan.rows, device), steady.sites) if steady.sites else None
 
     def _steady_of(self, plan: ReadPlan) -> _SteadyReads | None:
         """The steady batch ``plan`` is a step of, if it is one (while that batch lasts)."""
@@ -764,8 +779,9 @@ class CaptureStore:
         """File a landed step under each request that read in it. Large copies landed split per request: each
         request takes its own parts and the step lets go of them, so a long request never keeps the others'
         rows alive. Copies landed whole (small ones, ones copied out whole, ones read where they landed) stay
-        with the step, read as views when a request's rows are gathered: filing an every-token step of small
-        summaries costs one tuple per request. Readers given their own copies of a held block (``copied_out``)
+        with the step, read as views when a request's rows are gathered: filing such a step costs one tuple per
+        request (a steady batch's step, ``in_batch``, is filed with the rest of its batch when the batch
+        settles, and nothing here). Readers given their own copies of a held block (``copied_out``)
         file the step without it."""
         if step.in_batch:
             return  # filed under each of its requests with the rest of its batch's steps (``_SteadyReads.settle``)

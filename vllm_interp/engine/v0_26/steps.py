@@ -66,15 +66,21 @@ class InterpSteps:
         """Plan the step laid out as vLLM's runner laid it out (``num_computed``: per request, in batch order)."""
         self._interp_step = None
         self.interp_steps_planned += 1
-        steering, patching = self.interp_steering, self.interp_patching
-        if ((patching is None or patching.quiet) and self.interp_store.quiet
-                and (steering is None or steering.repeats(req_ids, int(query_start_loc[len(req_ids)])))):
-            # Nothing reads or patches, and the step steers as the last step of its batch did (every decode step
-            # of a steady batch) or not at all: the index buffer holds its map, so only an eager forward needs
-            # the plan, to know where to add.
-            if steering is not None and steering.steers:
-                self._interp_step = self._steering_only(steering.steered_sites)
-            return
+        steering, patching, store = self.interp_steering, self.interp_patching, self.interp_store
+        total_tokens = int(query_start_loc[len(req_ids)])
+        if (patching is None or patching.quiet) and (steering is None or steering.repeats(req_ids, total_tokens)):
+            # Nothing patches, and the step steers as the last step of its batch did (every decode step of a
+            # steady batch) or not at all: the index buffer holds its map, so only an eager forward needs the
+            # sites, to know where to add.
+            steer = steering.steered_sites if steering is not None and steering.steers else frozenset()
+            if store.quiet:  # nor does anything read
+                if steer:
+                    self._interp_step = self._steering_only(steer)
+                return
+            steady = store.steady_reads(req_ids, total_tokens, num_computed, self.device)
+            if steady is not None:  # it reads as the last step did, one token further
+                self._interp_step = StepPlan(steer, None, *steady)
+                return
         layout = BatchLayout.of(req_ids, query_start_loc, num_computed)
         steer = self._plan_steering(layout)
         # Patching and capture act on a few requests of a large batch: only theirs get planned.
