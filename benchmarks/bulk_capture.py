@@ -363,20 +363,30 @@ def bracketed_section(phases: list[Phase]) -> list[str]:
     session 42), so a ratio to the round's first phase alone moves with wherever the drift happens to be; the
     mean of both neighbours cancels a steady drift. The phase after a burst may still carry its backlog (which
     ``plain_after`` exists to measure), so this flatters a burst that slows its successor: beside the primary
-    ratio, never instead of it."""
+    ratio, never instead of it. Beside it, the forward thread's time on a CPU a step over theirs (ms), where
+    measured: on a host-bound engine the cost the ratio comes from."""
     rows: dict[str, list[float]] = {}
+    extra: dict[str, list[float]] = {}
     for before, phase, after in zip(phases, phases[1:], phases[2:], strict=False):
         if (phase.round_index >= 0 and phase.captured_bytes and not before.captured_bytes
                 and not after.captured_bytes and phase.interval_ms == before.interval_ms == after.interval_ms):
             plain = (before.stats.throughput() + after.stats.throughput()) / 2
             rows.setdefault(phase.label, []).append(phase.stats.throughput() / plain)
+            forward = [forward_ms_per_step(p) for p in (before, phase, after)]
+            if None not in forward:
+                extra.setdefault(phase.label, []).append(forward[1] - (forward[0] + forward[2]) / 2)
     if not rows:
         return []
     lines = ["", "Throughput against the mean of the plain phases right before and after (drift cancelled, a "
-                 "burst's backlog in the phase after it not: see `bracketed_section`):", "",
-             "| phase | by round | median |", "|---|---|---|"]
-    lines += [f"| {name} | {', '.join(f'{r:.3f}' for r in values)} | {statistics.median(values):.3f} |"
-              for name, values in rows.items()]
+                 "burst's backlog in the phase after it not: see `bracketed_section`), and the forward thread's "
+                 "ms on a CPU a step over theirs:", "",
+             "| phase | by round | median | forward thread ms / step over them, by round | median |",
+             "|---|---|---|---|---|"]
+    for name, values in rows.items():
+        more = extra.get(name, [])
+        lines.append(f"| {name} | {', '.join(f'{r:.3f}' for r in values)} | {statistics.median(values):.3f} | "
+                     f"{', '.join(f'{d:+.2f}' for d in more) or '-'} | "
+                     f"{f'{statistics.median(more):+.2f}' if more else '-'} |")
     return lines
 
 
