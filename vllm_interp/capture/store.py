@@ -568,13 +568,13 @@ class CaptureStore:
                      device: torch.device) -> tuple[ReadPlan, StepReads | None] | None:
         """``plan_reads`` and ``site_reads`` of a step that is the steady batch one token further (every decode
         step of every-token capture), without the batch laid out: the same rows of the same requests at the next
-        positions, read at the same sites into the graph read buffers armed for the batch's first step (any other
-        step in between would have ended the batch). None for any other step, which is planned in full. On an
-        H100 host's loaded forward thread the full plan of such a step took about 80 us (py-spy)."""
+        positions, at the same sites (so ``site_reads`` finds its rows uploaded and armed already). None for any
+        other step, which is planned in full. On an H100 host's loaded forward thread the full plan of such a step
+        took about 80 us (py-spy)."""
         steady = self._steady
         if steady is None or (plan := steady.plan(req_ids, total_tokens, position_starts)) is None:
             return None
-        return plan, StepReads(self._device_rows(plan.rows, device), steady.sites) if steady.sites else None
+        return plan, self.site_reads(plan, device, total_tokens)
 
     def _steady_of(self, plan: ReadPlan) -> _SteadyReads | None:
         """The steady batch ``plan`` is a step of, if it is one (while that batch lasts)."""
